@@ -1,0 +1,433 @@
+"""Stage 1: capture the aten-level joint forward/backward graph of one training step.
+
+We trace `loss(model(x)).backward()` with make_fx on fake tensors (the tracer under
+AOTAutograd), so the capture costs no memory and runs at any batch size: ResNet-50 at
+batch 184 takes about a second. The trace is not functionalized: in-place ops such as
+`relu_` stay in-place, so storages and their lifetimes are those eager PyTorch has.
+The backward ops are the ones autograd really runs, so the forward values they read
+are exactly the tensors autograd saves.
+
+The result is a plain `Graph`: storages (bytes), ops in execution order (which
+storages each reads and allocates), and forward `Node`s at about MONeT's granularity
+(one per aten compute op, views folded into their producer), each knowing its output
+bytes, its consumers, its parameters and the forward storages its backward reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from monet_like.errors import UserError
+
+FORWARD, BACKWARD = "forward", "backward"
+# Storage kinds. Placeholders stay alive the whole step; gradients live to its end.
+PARAM, BUFFER, INPUT, SEED, ACTIVATION, GRADIENT = (
+    "param",
+    "buffer",
+    "input",
+    "seed",
+    "activation",
+    "gradient",
+)
+
+
+def default_loss(outputs: Any) -> torch.Tensor:
+    """The scalar a training step differentiates: the sum of every floating output.
+
+    Works for tensors, tuples, named tuples (GoogLeNet's aux heads) and dicts.
+    """
+    leaves = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
+    floats = [t for t in leaves if t.is_floating_point() and t.requires_grad]
+    if not floats:
+        raise UserError("the model returned no floating tensor that requires grad")
+    loss = floats[0].sum()
+    for t in floats[1:]:
+        loss = loss + t.sum()
+    return loss
+
+
+@dataclass(frozen=True)
+class Storage:
+    id: int
+    nbytes: int
+    kind: str  # PARAM, BUFFER, INPUT, SEED, ACTIVATION or GRADIENT
+    name: str  # parameter/buffer name, or the fx name of the op that allocated it
+
+
+@dataclass(frozen=True)
+class Op:
+    """One aten op of the joint graph, in execution order."""
+
+    index: int
+    name: str  # fx node name, e.g. "convolution_3"
+    target: str  # e.g. "aten.convolution.default"
+    phase: str  # FORWARD or BACKWARD
+    role: str  # "compute" (allocates), "inplace" (writes an input), or "view"
+    reads: tuple[int, ...]  # storages of its tensor inputs
+    allocates: tuple[int, ...]  # storages it creates
+    outputs: tuple[int, ...]  # storages of all its outputs (new, aliased or written)
+    node: int | None  # forward: the node it belongs to; backward: whose backward it is
+    seq_nr: int
+
+
+@dataclass(frozen=True)
+class Node:
+    """A forward node: one aten compute op with the views of its outputs folded in."""
+
+    id: int
+    name: str
+    kind: str  # short op name: "convolution", "native_batch_norm", "relu_", "add"...
+    module: str  # the nn.Module path that ran it, when known
+    op: int  # index of its compute op
+    ops: tuple[int, ...]  # all forward ops folded into it (the compute op and views)
+    outputs: tuple[int, ...]  # storages it allocates
+    output_bytes: int
+    inplace: bool  # writes into an input's storage instead of allocating
+    inputs: tuple[int, ...]  # nodes whose storages it reads
+    consumers: tuple[int, ...]  # nodes that read its storages
+    params: tuple[str, ...]  # parameters it reads
+    saved: tuple[int, ...]  # forward storages its backward ops read
+    backward_ops: tuple[int, ...]
+
+
+@dataclass
+class Graph:
+    model: str
+    batch: int
+    input_shape: tuple[int, ...]
+    dtype: str
+    device: str
+    torch_version: str
+    storages: list[Storage]
+    ops: list[Op]
+    nodes: list[Node]
+    fingerprint: str = ""
+    # The traced torch.fx.GraphModule, for the profiler to run; not part of the value.
+    fx: Any = field(default=None, repr=False, compare=False)
+
+    # -- derived facts ------------------------------------------------------------
+    def bytes_of(self, kind: str) -> int:
+        return sum(s.nbytes for s in self.storages if s.kind == kind)
+
+    @property
+    def param_bytes(self) -> int:
+        return self.bytes_of(PARAM)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.bytes_of(BUFFER)
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.bytes_of(GRADIENT)
+
+    @property
+    def input_bytes(self) -> int:
+        return self.bytes_of(INPUT)
+
+    @property
+    def backward_start(self) -> int:
+        """Index of the first backward op."""
+        return next((o.index for o in self.ops if o.phase == BACKWARD), len(self.ops))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("fx")
+        return d
+
+    def summary(self) -> str:
+        gib = 2**30
+        return (
+            f"{self.model} batch {self.batch} input {self.input_shape} {self.dtype}: "
+            f"{len(self.nodes)} nodes, {len(self.ops)} aten ops, "
+            f"params {self.param_bytes / gib:.3f} GiB"
+        )
+
+
+def _fingerprint(storages: list[Storage], ops: list[Op]) -> str:
+    h = hashlib.sha256()
+    for s in storages:
+        h.update(f"s{s.id}:{s.nbytes}:{s.kind}:{s.name if s.kind in (PARAM, BUFFER) else ''};".encode())
+    for o in ops:
+        h.update(f"o{o.target}:{o.phase}:{o.reads}:{o.allocates}:{o.outputs};".encode())
+    return h.hexdigest()[:16]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _is_mutating(target: Any) -> bool:
+    schema = getattr(target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def _short_kind(target: Any) -> str:
+    name = getattr(target, "__name__", str(target))  # "convolution.default"
+    return name.split(".")[0]
+
+
+def _module_path(meta: dict) -> str:
+    stack = meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1]
+    path = path[0] if isinstance(path, tuple) else path
+    return str(path).removeprefix("L['self'].").removeprefix("self.")
+
+
+def _trace(model: nn.Module, example: torch.Tensor, fake_params, fake_buffers, seed):
+    """make_fx over one training step written functionally; returns the GraphModule."""
+    import torch.fx.traceback as fx_traceback
+    from torch.func import functional_call
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    param_names = [n for n, _ in model.named_parameters()]
+    buffer_names = [n for n, _ in model.named_buffers()]
+    trainable = [i for i, (_, p) in enumerate(model.named_parameters()) if p.requires_grad]
+
+    def step(params, buffers, x, seed):
+        state = dict(zip(param_names, params, strict=True))
+        state.update(zip(buffer_names, buffers, strict=True))
+        loss = default_loss(functional_call(model, state, (x,)))
+        wrt = [params[i] for i in trainable]
+        return torch.autograd.grad([loss], wrt, [seed], allow_unused=True)
+
+    with fx_traceback.preserve_node_meta():
+        return make_fx(step, tracing_mode="fake", record_module_stack=True)(
+            fake_params, fake_buffers, example, seed
+        )
+
+
+def capture(
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    batch: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    model_name: str = "",
+) -> Graph:
+    """Capture the joint forward/backward graph of one training step on fake tensors.
+
+    `model` may live on any device, "meta" included: only shapes are read. The
+    model is put in training mode for the capture and restored afterwards.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from monet_like.models import input_dtype
+
+    if batch < 1:
+        raise UserError(f"batch size must be at least 1, got {batch}")
+    if not dtype.is_floating_point:
+        raise UserError(f"dtype {dtype} is not a floating-point type; a model cannot train in it")
+    device = torch.device(device)
+
+    def fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        dt = dtype if t.is_floating_point() else t.dtype
+        f = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
+        return f.requires_grad_(requires_grad)
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    was_training = model.training
+    model.train()
+    try:
+        with fake_mode:
+            params = [fake_like(p, p.requires_grad) for p in model.parameters()]
+            buffers = [fake_like(b, False) for b in model.buffers()]
+            in_dtype = input_dtype(model, dtype)
+            x = torch.empty((batch, *input_shape), dtype=in_dtype, device=device)
+            if in_dtype.is_floating_point:
+                x = x.requires_grad_(False)
+            seed = torch.ones((), dtype=dtype, device=device)
+        try:
+            gm = _trace(model, x, params, buffers, seed)
+        except UserError:
+            raise
+        except Exception as exc:
+            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"{model_name or type(model).__name__} cannot run on input shape "
+                f"{(batch, *input_shape)} in {dtype}: {msg}"
+            ) from None
+    finally:
+        model.train(was_training)
+
+    # -- storages and ops --------------------------------------------------------
+    storage_ids: dict[Any, int] = {}
+    storages: list[Storage] = []
+
+    def storage_of(t: torch.Tensor, kind: str, name: str) -> tuple[int, bool]:
+        key = StorageWeakRef(t.untyped_storage())
+        if key in storage_ids:
+            return storage_ids[key], False
+        sid = len(storages)
+        storage_ids[key] = sid
+        storages.append(Storage(sid, int(t.untyped_storage().nbytes()), kind, name))
+        return sid, True
+
+    fx_nodes = list(gm.graph.nodes)
+    placeholders = [n for n in fx_nodes if n.op == "placeholder"]
+    named = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    kinds = [PARAM] * len(params) + [BUFFER] * len(buffers) + [INPUT, SEED]
+    names = named + ["input", "seed"]
+    for ph, kind, name in zip(placeholders, kinds, names, strict=True):
+        for t in _tensors(ph.meta.get("val")):
+            storage_of(t, kind, name)
+    seed_storage = len(storages) - 1
+
+    ops: list[Op] = []
+    op_meta: list[dict] = []
+    tainted = {seed_storage}  # storages that depend on the backward seed
+    in_backward = False
+    for n in fx_nodes:
+        if n.op != "call_function" or n.target.__name__ == "getitem":
+            continue
+        reads: list[int] = []
+        for arg in n.all_input_nodes:
+            for t in _tensors(arg.meta.get("val")):
+                sid, _ = storage_of(t, ACTIVATION, arg.name)
+                if sid not in reads:
+                    reads.append(sid)
+        outputs, allocates = [], []
+        for t in _tensors(n.meta.get("val")):
+            sid, new = storage_of(t, ACTIVATION, n.name)
+            if sid not in outputs:
+                outputs.append(sid)
+            if new:
+                allocates.append(sid)
+        if not in_backward and tainted.intersection(reads):
+            in_backward = True
+        if in_backward:
+            tainted.update(outputs)
+        role = "compute" if allocates else ("inplace" if _is_mutating(n.target) else "view")
+        ops.append(
+            Op(
+                index=len(ops),
+                name=n.name,
+                target=str(n.target),
+                phase=BACKWARD if in_backward else FORWARD,
+                role=role,
+                reads=tuple(reads),
+                allocates=tuple(allocates),
+                outputs=tuple(outputs),
+                node=None,
+                seq_nr=int(n.meta.get("seq_nr", -1)),
+            )
+        )
+        op_meta.append({"kind": _short_kind(n.target), "module": _module_path(n.meta)})
+
+    # Graph outputs are the parameter gradients: they live to the end of the step.
+    output_node = fx_nodes[-1]
+    for arg in output_node.all_input_nodes:
+        for t in _tensors(arg.meta.get("val")):
+            sid, _ = storage_of(t, GRADIENT, arg.name)
+            s = storages[sid]
+            if s.kind == ACTIVATION:
+                storages[sid] = Storage(s.id, s.nbytes, GRADIENT, s.name)
+
+    nodes, ops = _coarsen(ops, op_meta, storages)
+    graph = Graph(
+        model=model_name or type(model).__name__,
+        batch=batch,
+        input_shape=tuple(input_shape),
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        torch_version=torch.__version__,
+        storages=storages,
+        ops=ops,
+        nodes=nodes,
+        fx=gm,
+    )
+    graph.fingerprint = _fingerprint(storages, ops)
+    return graph
+
+
+def _coarsen(
+    ops: list[Op], op_meta: list[dict], storages: list[Storage]
+) -> tuple[list[Node], list[Op]]:
+    """Group forward ops into nodes and attach each backward op to its forward node."""
+    placeholder_kinds = (PARAM, BUFFER, INPUT, SEED)
+    owner: dict[int, int] = {}  # activation storage -> forward node that allocated it
+    node_ops: list[list[int]] = []
+    node_of_op: dict[int, int] = {}
+    first_node_of_seq: dict[int, int] = {}
+
+    for op in ops:
+        if op.phase != FORWARD:
+            continue
+        if op.role == "view":
+            base = next((owner[s] for s in op.reads if s in owner), None)
+            if base is not None:
+                node_ops[base].append(op.index)
+                node_of_op[op.index] = base
+            continue
+        nid = len(node_ops)
+        node_ops.append([op.index])
+        node_of_op[op.index] = nid
+        first_node_of_seq.setdefault(op.seq_nr, nid)
+        for s in op.allocates:
+            owner[s] = nid
+
+    backward_of: dict[int, list[int]] = {nid: [] for nid in range(len(node_ops))}
+    for op in ops:
+        if op.phase == BACKWARD and op.seq_nr in first_node_of_seq:
+            nid = first_node_of_seq[op.seq_nr]
+            backward_of[nid].append(op.index)
+            node_of_op[op.index] = nid
+
+    new_ops = [
+        Op(**{**asdict(op), "node": node_of_op.get(op.index)}) for op in ops
+    ]  # dataclasses are frozen: rebuild with the node filled in
+    forward_storages = {
+        s for op in ops if op.phase == FORWARD for s in op.outputs
+    } | {s.id for s in storages if s.kind in placeholder_kinds and s.kind != SEED}
+
+    nodes: list[Node] = []
+    consumers: dict[int, set[int]] = {nid: set() for nid in range(len(node_ops))}
+    inputs_of: dict[int, set[int]] = {}
+    for nid, idxs in enumerate(node_ops):
+        compute = ops[idxs[0]]
+        ins = {owner[s] for i in idxs for s in ops[i].reads if s in owner and owner[s] != nid}
+        inputs_of[nid] = ins
+        for p in ins:
+            consumers[p].add(nid)
+    for nid, idxs in enumerate(node_ops):
+        compute = ops[idxs[0]]
+        outs = tuple(s for i in idxs for s in ops[i].allocates)
+        params = sorted(
+            {storages[s].name for i in idxs for s in ops[i].reads if storages[s].kind == PARAM}
+        )
+        saved = sorted(
+            {s for b in backward_of[nid] for s in ops[b].reads if s in forward_storages}
+        )
+        nodes.append(
+            Node(
+                id=nid,
+                name=compute.name,
+                kind=op_meta[compute.index]["kind"],
+                module=op_meta[compute.index]["module"],
+                op=compute.index,
+                ops=tuple(idxs),
+                outputs=outs,
+                output_bytes=sum(storages[s].nbytes for s in outs),
+                inplace=compute.role == "inplace",
+                inputs=tuple(sorted(inputs_of[nid])),
+                consumers=tuple(sorted(consumers[nid])),
+                params=tuple(params),
+                saved=tuple(saved),
+                backward_ops=tuple(backward_of[nid]),
+            )
+        )
+    return nodes, new_ops
+
+
+def graph_json(graph: Graph) -> str:
+    return json.dumps(graph.to_dict())

@@ -1,0 +1,265 @@
+"""The memory model: what one training step holds, predicted, simulated and measured.
+
+Three independent ways to get the peak of a step, so that each checks the others:
+
+- `store_all_peak(graph)`: predicted from the captured graph alone, by walking its
+  ops in order with every storage alive from the op that allocates it to its last
+  reader (placeholders for the whole step, gradients to its end).
+- `simulate(...)`: an eager training step run on fake tensors (exact bytes, no
+  allocation, any batch size) under a live-storage tracker.
+- `measure(...)`: the real peak of a real step. CPU: the same live-storage tracker
+  on real tensors (every storage counted once however many views it has); CUDA:
+  the caching allocator's statistics.
+
+All sizes are bytes (int).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from monet_like.graph import ACTIVATION, BUFFER, GRADIENT, INPUT, PARAM, SEED, Graph, default_loss
+
+
+@dataclass(frozen=True)
+class FixedBytes:
+    """What every schedule holds, whatever it keeps or recomputes."""
+
+    params: int
+    buffers: int
+    grads: int
+    input: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.buffers + self.grads + self.input
+
+
+def fixed_bytes(graph: Graph) -> FixedBytes:
+    return FixedBytes(graph.param_bytes, graph.buffer_bytes, graph.grad_bytes, graph.input_bytes)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Live bytes during each op of the joint graph under the store-all schedule."""
+
+    live: list[int]  # live[i]: bytes alive while op i runs (its inputs, outputs, workspace)
+    peak_bytes: int
+    peak_op: int  # index of the op at which the peak is reached
+
+
+def last_uses(graph: Graph) -> list[int]:
+    """For each storage, the index of the last op that reads or writes it (-1: none)."""
+    last = [-1] * len(graph.storages)
+    for op in graph.ops:
+        for s in (*op.reads, *op.outputs):
+            last[s] = op.index
+    return last
+
+
+def store_all_timeline(graph: Graph, workspace: dict[int, int] | None = None) -> Timeline:
+    """Walk the ops with the store-everything schedule eager PyTorch runs.
+
+    `workspace` optionally maps an op index to transient bytes it needs while it runs.
+    """
+    n_ops = len(graph.ops)
+    delta = [0] * (n_ops + 1)  # difference array over op indices
+    always = 0
+    last = last_uses(graph)
+    alloc_at = [-1] * len(graph.storages)
+    for op in graph.ops:
+        for s in op.allocates:
+            alloc_at[s] = op.index
+    for s in graph.storages:
+        if s.kind in (PARAM, BUFFER, INPUT, SEED):
+            always += s.nbytes
+        elif alloc_at[s.id] >= 0:
+            end = n_ops if s.kind == GRADIENT else last[s.id] + 1
+            delta[alloc_at[s.id]] += s.nbytes
+            delta[end] -= s.nbytes
+    live, running = [], always
+    for i in range(n_ops):
+        running += delta[i]
+        live.append(running + (workspace or {}).get(i, 0))
+    peak_op = max(range(n_ops), key=live.__getitem__) if live else 0
+    return Timeline(live, live[peak_op] if live else always, peak_op)
+
+
+def store_all_peak(graph: Graph, workspace: dict[int, int] | None = None) -> int:
+    """Predicted peak bytes of one eager training step (everything stored)."""
+    return store_all_timeline(graph, workspace).peak_bytes
+
+
+def activation_bytes(graph: Graph) -> int:
+    """Bytes of every storage the forward pass allocates (an upper bound on what is saved)."""
+    return sum(
+        graph.storages[s].nbytes
+        for op in graph.ops
+        if op.phase == "forward"
+        for s in op.allocates
+        if graph.storages[s].kind == ACTIVATION
+    )
+
+
+# -- live-storage tracking ------------------------------------------------------------
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Counts the bytes of every storage created by an aten op, until it is freed.
+
+    A storage is counted once however many tensors view it; its release is seen
+    through a weak reference, at the moment its last tensor dies.
+    """
+
+    def __init__(self, live: Iterable[torch.Tensor] = ()) -> None:
+        """`live`: tensors alive before tracking starts; counted from the start, so a
+        view of one of them (a parameter's `.t()`) is not taken for a new storage."""
+        super().__init__()
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self.current = 0
+        self.peak = 0
+        for t in live:
+            self.track(t)
+        self.baseline = self.current
+
+    def _forget(self, key: int) -> None:
+        self.current -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        size = int(st.nbytes())
+        old = self._sizes.get(key)
+        if old is None:
+            self._refs[key] = weakref.ref(st, lambda _r, k=key: self._forget(k))
+            self._sizes[key] = size
+            self.current += size
+        elif old != size:  # resized in place by an out= kernel
+            self._sizes[key] = size
+            self.current += size - old
+        self.peak = max(self.peak, self.current)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+
+@dataclass(frozen=True)
+class Measurement:
+    peak_bytes: int  # peak of everything alive during the step, baseline included
+    baseline_bytes: int  # alive before the step (parameters, buffers, input)
+    method: str  # "live-storage" or "cuda-allocator"
+
+
+def measure(
+    step_fn: Callable[[], object],
+    live: Iterable[torch.Tensor] = (),
+    device: str | torch.device = "cpu",
+) -> Measurement:
+    """The real peak memory of `step_fn()`.
+
+    `live` are the tensors alive before the step (parameters, buffers, the input);
+    on CPU they form the baseline, on CUDA the allocator already knows them.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step_fn()
+        torch.cuda.synchronize(device)
+        return Measurement(torch.cuda.max_memory_allocated(device), base, "cuda-allocator")
+    tracker = LiveStorageTracker(live)
+    with tracker:
+        step_fn()
+    return Measurement(tracker.peak, tracker.baseline, "live-storage")
+
+
+def training_step(model: nn.Module, x: torch.Tensor, loss_fn=default_loss) -> None:
+    """One eager step: forward, loss, backward. The output dies before backward runs."""
+    loss_fn(model(x)).backward()
+
+
+def state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def measure_training_step(model: nn.Module, x: torch.Tensor) -> Measurement:
+    """Measured peak of one eager training step, gradients starting from None."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    m = measure(lambda: training_step(model, x), [*state_tensors(model), x], x.device)
+    model.zero_grad(set_to_none=True)
+    return m
+
+
+def simulate(
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    batch: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Measurement:
+    """Peak of an eager training step run on fake tensors: exact bytes, nothing allocated.
+
+    The model may live on the "meta" device; its state is replaced by fake tensors.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    from monet_like.models import input_dtype
+
+    device = torch.device(device)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    was_training = model.training
+    model.train()
+    try:
+        with fake_mode:
+
+            def fake(t: torch.Tensor) -> torch.Tensor:
+                dt = dtype if t.is_floating_point() else t.dtype
+                f = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
+                return f.requires_grad_(t.requires_grad)
+
+            state = {n: fake(p) for n, p in model.named_parameters()}
+            state.update({n: fake(b) for n, b in model.named_buffers()})
+            x = torch.empty((batch, *input_shape), dtype=input_dtype(model, dtype), device=device)
+
+        def step() -> None:
+            with fake_mode:
+                default_loss(functional_call(model, state, (x,))).backward()
+
+        tracker = LiveStorageTracker([*state.values(), x])
+        with tracker:
+            step()
+        return Measurement(tracker.peak, tracker.baseline, "fake-live-storage")
+    finally:
+        model.train(was_training)
+
+
+__all__ = [
+    "FixedBytes",
+    "Measurement",
+    "Timeline",
+    "fixed_bytes",
+    "store_all_timeline",
+    "store_all_peak",
+    "activation_bytes",
+    "LiveStorageTracker",
+    "measure",
+    "measure_training_step",
+    "simulate",
+    "training_step",
+]
