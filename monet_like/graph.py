@@ -154,7 +154,9 @@ class Graph:
 def _fingerprint(storages: list[Storage], ops: list[Op]) -> str:
     h = hashlib.sha256()
     for s in storages:
-        h.update(f"s{s.id}:{s.nbytes}:{s.kind}:{s.name if s.kind in (PARAM, BUFFER) else ''};".encode())
+        h.update(
+            f"s{s.id}:{s.nbytes}:{s.kind}:{s.name if s.kind in (PARAM, BUFFER) else ''};".encode()
+        )
     for o in ops:
         h.update(f"o{o.target}:{o.phase}:{o.reads}:{o.allocates}:{o.outputs};".encode())
     return h.hexdigest()[:16]
@@ -179,8 +181,7 @@ def _module_path(meta: dict) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1]
-    path = path[0] if isinstance(path, tuple) else path
-    return str(path).removeprefix("L['self'].").removeprefix("self.")
+    return str(path[0] if isinstance(path, tuple) else path)
 
 
 def _trace(model: nn.Module, example: torch.Tensor, fake_params, fake_buffers, seed):
@@ -198,12 +199,60 @@ def _trace(model: nn.Module, example: torch.Tensor, fake_params, fake_buffers, s
         state.update(zip(buffer_names, buffers, strict=True))
         loss = default_loss(functional_call(model, state, (x,)))
         wrt = [params[i] for i in trainable]
+        _tag_backward_ops(loss)
         return torch.autograd.grad([loss], wrt, [seed], allow_unused=True)
 
-    with fx_traceback.preserve_node_meta():
-        return make_fx(step, tracing_mode="fake", record_module_stack=True)(
-            fake_params, fake_buffers, example, seed
+    handles = _record_module_paths(model)
+    try:
+        with fx_traceback.preserve_node_meta():
+            return make_fx(step, tracing_mode="fake")(fake_params, fake_buffers, example, seed)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _tag_backward_ops(loss: torch.Tensor) -> None:
+    """Have each traced backward op carry the seq_nr of the forward op it differentiates.
+
+    This is the hook AOTAutograd installs for the same purpose; without it every
+    backward op would be left unattributed (the times still add up to the step's).
+    """
+    try:
+        from torch._functorch._aot_autograd.logging_utils import (
+            setup_stacktrace_preservation_hooks,
         )
+    except ImportError:  # moved in a later torch: attribution degrades, capture works
+        return
+    if loss.grad_fn is not None:
+        setup_stacktrace_preservation_hooks([loss.grad_fn])
+
+
+def _record_module_paths(model: nn.Module) -> list:
+    """Forward hooks that put the running submodule's path into the traced ops' meta."""
+    import torch.fx.traceback as fx_traceback
+
+    def enter(path: str, module: nn.Module):
+        def hook(*_):
+            stack = dict(fx_traceback.current_meta.get("nn_module_stack", {}))
+            stack[path] = (path, type(module).__name__)
+            fx_traceback.current_meta["nn_module_stack"] = stack
+
+        return hook
+
+    def leave(path: str):
+        def hook(*_):
+            stack = dict(fx_traceback.current_meta.get("nn_module_stack", {}))
+            stack.pop(path, None)
+            fx_traceback.current_meta["nn_module_stack"] = stack
+
+        return hook
+
+    handles = []
+    for path, module in model.named_modules():
+        if path:
+            handles.append(module.register_forward_pre_hook(enter(path, module)))
+            handles.append(module.register_forward_hook(leave(path)))
+    return handles
 
 
 def capture(
@@ -386,9 +435,9 @@ def _coarsen(
     new_ops = [
         Op(**{**asdict(op), "node": node_of_op.get(op.index)}) for op in ops
     ]  # dataclasses are frozen: rebuild with the node filled in
-    forward_storages = {
-        s for op in ops if op.phase == FORWARD for s in op.outputs
-    } | {s.id for s in storages if s.kind in placeholder_kinds and s.kind != SEED}
+    forward_storages = {s for op in ops if op.phase == FORWARD for s in op.outputs} | {
+        s.id for s in storages if s.kind in placeholder_kinds and s.kind != SEED
+    }
 
     nodes: list[Node] = []
     consumers: dict[int, set[int]] = {nid: set() for nid in range(len(node_ops))}
@@ -405,9 +454,7 @@ def _coarsen(
         params = sorted(
             {storages[s].name for i in idxs for s in ops[i].reads if storages[s].kind == PARAM}
         )
-        saved = sorted(
-            {s for b in backward_of[nid] for s in ops[b].reads if s in forward_storages}
-        )
+        saved = sorted({s for b in backward_of[nid] for s in ops[b].reads if s in forward_storages})
         nodes.append(
             Node(
                 id=nid,

@@ -159,7 +159,9 @@ def parse_model(expression: str) -> ModelSpec:
     elif path in _in_repo_models():
         spec = ModelSpec(expression, "repo", path, args, kwargs)
     elif path.startswith("torchvision.models."):
-        spec = ModelSpec(expression, "torchvision", path[len("torchvision.models.") :], args, kwargs)
+        spec = ModelSpec(
+            expression, "torchvision", path[len("torchvision.models.") :], args, kwargs
+        )
     else:
         raise UserError(
             f"unknown model {path!r}: use torchvision.models.NAME(...), unet, gpt, "
@@ -174,7 +176,9 @@ def parse_input_shape(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
     except ValueError:
-        raise UserError(f"malformed input shape {text!r}: expected integers like 3,224,224") from None
+        raise UserError(
+            f"malformed input shape {text!r}: expected integers like 3,224,224"
+        ) from None
     if not shape or any(d <= 0 for d in shape):
         raise UserError(f"malformed input shape {text!r}: dimensions must be positive")
     return shape

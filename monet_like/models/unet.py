@@ -31,7 +31,8 @@ class UNet(nn.Module):
         self.down.extend(DoubleConv(widths[i], widths[i + 1]) for i in range(depth))
         self.pool = nn.MaxPool2d(2)
         self.up = nn.ModuleList(
-            nn.ConvTranspose2d(widths[i + 1], widths[i], 2, stride=2) for i in reversed(range(depth))
+            nn.ConvTranspose2d(widths[i + 1], widths[i], 2, stride=2)
+            for i in reversed(range(depth))
         )
         self.up_conv = nn.ModuleList(
             DoubleConv(2 * widths[i], widths[i]) for i in reversed(range(depth))

@@ -1,0 +1,5 @@
+import sys
+
+from monet_like.cli import main
+
+sys.exit(main())

@@ -1,0 +1,229 @@
+"""Command line: `python -m monet_like COMMAND ...`.
+
+  profile MODEL BATCH   capture the graph, predict the store-all peak, profile every node
+  memory  MODEL BATCH   capture and predict only (nothing allocated: any batch size)
+
+Bad input gets one line on stderr and exit code 2; with --json the last line of
+standard output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from monet_like.errors import UserError
+
+GIB = 2**30
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, as for every other bad input
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    dtype = _DTYPES.get(text.lower().removeprefix("torch."))
+    if dtype is None:
+        raise UserError(
+            f"dtype {text!r} is not one a model can train in: use float32, bfloat16, "
+            "float16 or float64"
+        )
+    return dtype
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help='"torchvision.models.NAME(...)", unet, gpt, or pkg.module:factory')
+    p.add_argument("batch", type=positive_int, help="batch size")
+    p.add_argument("--input_shape", help="per-sample input shape without batch, e.g. 3,224,224")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of results")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="monet_like", description="schedule compiler for memory-bounded training")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    prof = sub.add_parser("profile", help="capture, predict the store-all peak, profile nodes")
+    _add_model_args(prof)
+    prof.add_argument("--profile_batch", type=positive_int, help="batch to time at (scaled up)")
+    prof.add_argument("--repeats", type=positive_int, default=3, help="timed runs (median)")
+    prof.add_argument("--no_cache", action="store_true", help="ignore and do not write the cache")
+    prof.add_argument("--csv", help="write the per-node profile to this CSV file")
+    mem = sub.add_parser("memory", help="capture and predict the store-all peak only")
+    _add_model_args(mem)
+    mem.add_argument("--simulate", action="store_true", help="also run a fake-tensor eager step")
+    return parser
+
+
+def _setup(args):
+    from monet_like.models import parse_input_shape, parse_model
+
+    spec = parse_model(args.model)
+    if args.input_shape:
+        shape = parse_input_shape(args.input_shape)
+    else:
+        shape = spec.default_input_shape()
+        if shape is None:
+            raise UserError(f"{args.model}: give the per-sample input shape with --input_shape")
+    dtype = parse_dtype(args.dtype)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but no CUDA device is available")
+    return spec, shape, dtype, device
+
+
+def _memory_report(graph) -> dict:
+    from monet_like.memory import fixed_bytes, store_all_timeline
+
+    fixed = fixed_bytes(graph)
+    timeline = store_all_timeline(graph)
+    peak_op = graph.ops[timeline.peak_op]
+    return {
+        "model": graph.model,
+        "batch": graph.batch,
+        "input_shape": list(graph.input_shape),
+        "dtype": graph.dtype,
+        "nodes": len(graph.nodes),
+        "aten_ops": len(graph.ops),
+        "fingerprint": graph.fingerprint,
+        "fixed_bytes": fixed.total,
+        "param_bytes": fixed.params,
+        "buffer_bytes": fixed.buffers,
+        "grad_bytes": fixed.grads,
+        "input_bytes": fixed.input,
+        "store_all_peak_bytes": timeline.peak_bytes,
+        "store_all_peak_at": f"{peak_op.phase} {peak_op.name}",
+    }
+
+
+def _print_memory(r: dict, out) -> None:
+    print(
+        f"{r['model']}  batch {r['batch']}  input {tuple(r['input_shape'])}  {r['dtype']}\n"
+        f"  graph: {r['nodes']} nodes from {r['aten_ops']} aten ops"
+        f" (fingerprint {r['fingerprint']})\n"
+        f"  fixed: {r['fixed_bytes'] / GIB:.3f} GiB = params {r['param_bytes'] / GIB:.3f}"
+        f" + grads {r['grad_bytes'] / GIB:.3f} + buffers {r['buffer_bytes'] / GIB:.3f}"
+        f" + input {r['input_bytes'] / GIB:.3f}\n"
+        f"  predicted store-all peak of one training step:"
+        f" {r['store_all_peak_bytes'] / GIB:.3f} GiB"
+        f" (reached at {r['store_all_peak_at']})",
+        file=out,
+    )
+
+
+def cmd_memory(args) -> dict:
+    from monet_like.graph import capture
+    from monet_like.memory import simulate
+
+    spec, shape, dtype, device = _setup(args)
+    started = time.perf_counter()
+    model = spec.build("meta")
+    graph = capture(model, shape, args.batch, dtype, device, spec.expression)
+    report = _memory_report(graph)
+    report["device"] = str(device)
+    report["seconds"] = round(time.perf_counter() - started, 3)
+    _print_memory(report, sys.stdout)
+    if args.simulate:
+        sim = simulate(model, shape, args.batch, dtype, device)
+        report["simulated_peak_bytes"] = sim.peak_bytes
+        print(f"  simulated eager step on fake tensors:         {sim.peak_bytes / GIB:.3f} GiB")
+    print(f"  ({report['seconds']:.1f} s, nothing allocated)")
+    return report
+
+
+def cmd_profile(args) -> dict:
+    from monet_like.graph import capture
+    from monet_like.profile import profile
+
+    spec, shape, dtype, device = _setup(args)
+    model = spec.build("cpu").to(device)
+    graph = capture(model, shape, args.batch, dtype, device, spec.expression)
+    report = _memory_report(graph)
+    _print_memory(report, sys.stdout)
+    prof = profile(
+        model,
+        graph,
+        profile_batch=args.profile_batch,
+        device=device,
+        repeats=args.repeats,
+        use_cache=not args.no_cache,
+    )
+    how = "from the cache" if prof.cached else f"in {prof.profile_seconds:.1f} s"
+    scaled = (
+        f", times scaled x{prof.batch / prof.profile_batch:g} from batch {prof.profile_batch}"
+        if prof.scaled
+        else ""
+    )
+    print(f"  profile on {prof.device} ({how}{scaled}); workspace: {prof.workspace_method}")
+    print(
+        f"  step time {prof.step_time_s * 1e3:.1f} ms = forward {prof.op_forward_s * 1e3:.1f}"
+        f" + backward {prof.op_backward_s * 1e3:.1f}"
+    )
+    df = prof.to_dataframe()
+    top = df.sort_values("output_bytes", ascending=False).head(5)
+    print("  largest node outputs:")
+    for row in top.itertuples():
+        print(
+            f"    {row.name:28s} {row.kind:24s} {row.output_bytes / 2**20:10.1f} MiB"
+            f"  fwd {row.forward_s * 1e3:8.2f} ms  bwd {row.backward_s * 1e3:8.2f} ms"
+        )
+    if args.csv:
+        prof.to_csv(args.csv)
+        print(f"  per-node profile written to {args.csv}")
+    report.update(
+        device=prof.device,
+        profile_batch=prof.profile_batch,
+        scaled=prof.scaled,
+        cached=prof.cached,
+        step_time_s=prof.step_time_s,
+        forward_time_s=prof.op_forward_s,
+        backward_time_s=prof.op_backward_s,
+    )
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = {"profile": cmd_profile, "memory": cmd_memory}[args.command](args)
+    except UserError as exc:
+        print(f"monet_like: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("monet_like: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

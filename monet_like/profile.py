@@ -1,0 +1,381 @@
+"""Stage 2: measure each node's time and workspace on the device in use.
+
+Bytes come from the graph (exact, from shapes, at the full batch). Times and
+workspace are measured by running the captured joint graph op by op on real
+tensors: a warm-up run, then `repeats` timed runs, the median kept per op; one
+more run under torch.profiler with memory recording gives each op's workspace
+(the peak of what it allocates while it runs, above what it returns). On CUDA,
+times come from CUDA events and workspace from the allocator's peak statistics.
+
+On a slow device the profile may be taken at a smaller batch than the one solved
+for; times and workspace are then scaled linearly by the batch ratio, and the
+profile says so (`scaled`, `profile_batch`). Profiles are cached on disk as JSON,
+keyed by graph fingerprint, profile batch, dtype, device and torch version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from monet_like.errors import UserError
+from monet_like.graph import BACKWARD, FORWARD, Graph, capture
+
+PROFILE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    node: int
+    name: str
+    kind: str
+    module: str
+    output_bytes: int
+    forward_s: float  # the node's forward ops (compute op and its views)
+    backward_s: float  # the backward ops autograd runs for it
+    recompute_s: float  # running its forward again during backward
+    workspace_bytes: int  # transient bytes of its forward compute op
+    backward_workspace_bytes: int  # largest transient bytes among its backward ops
+
+
+@dataclass
+class Profile:
+    format: int
+    model: str
+    fingerprint: str  # of the graph at the full batch
+    batch: int
+    profile_batch: int
+    scaled: bool  # times and workspace scaled by batch / profile_batch
+    input_shape: tuple[int, ...]
+    dtype: str
+    device: str
+    torch_version: str
+    repeats: int
+    workspace_method: str
+    nodes: list[NodeProfile]
+    op_forward_s: float = 0.0  # whole-step totals over every op, attributed or not
+    op_backward_s: float = 0.0
+    profile_seconds: float = 0.0
+    cached: bool = field(default=False, compare=False)
+
+    @property
+    def step_time_s(self) -> float:
+        return self.op_forward_s + self.op_backward_s
+
+    def to_dataframe(self):
+        import pandas as pd
+
+        return pd.DataFrame([asdict(n) for n in self.nodes])
+
+    def to_csv(self, path: str | os.PathLike) -> None:
+        self.to_dataframe().to_csv(path, index=False)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d.pop("cached")
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        d = json.loads(text)
+        if d.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"profile format {d.get('format')} is not {PROFILE_FORMAT}")
+        d["nodes"] = [NodeProfile(**n) for n in d["nodes"]]
+        d["input_shape"] = tuple(d["input_shape"])
+        return cls(**d)
+
+
+def cache_dir() -> Path:
+    """$MONET_LIKE_CACHE, else $XDG_CACHE_HOME/monet_like, else ~/.cache/monet_like."""
+    if os.environ.get("MONET_LIKE_CACHE"):
+        return Path(os.environ["MONET_LIKE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "monet_like"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def _cache_key(graph: Graph, profile_batch: int, device: torch.device) -> str:
+    text = "|".join(
+        [graph.fingerprint, str(profile_batch), graph.dtype, device_name(device), torch.__version__]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class _OpRunner:
+    """Runs a captured joint graph on real tensors, one fx node at a time, timing each."""
+
+    def __init__(self, graph: Graph, device: torch.device) -> None:
+        self.graph = graph
+        self.device = device
+        self.index = {op.name: op.index for op in graph.ops}
+
+    def run(self, args: list, on_op=None) -> None:
+        from torch.fx import Interpreter
+
+        runner = self
+
+        class Timed(Interpreter):
+            def run_node(self, n):
+                idx = runner.index.get(n.name)
+                if idx is None or on_op is None:
+                    return super().run_node(n)
+                return on_op(idx, lambda: super(Timed, self).run_node(n))
+
+        with torch.no_grad():
+            Timed(self.graph.fx).run(*args)
+
+
+def _median_times(runner: _OpRunner, args_fn, repeats: int, progress) -> list[float]:
+    n = len(runner.graph.ops)
+    samples: list[list[float]] = [[] for _ in range(n)]
+    cuda = runner.device.type == "cuda"
+
+    for r in range(repeats + 1):  # the first run warms up and is dropped
+        events: list[tuple[int, object, object]] = []
+
+        def on_op(idx, fn, events=events):
+            if cuda:
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+                out = fn()
+                end.record()
+                events.append((idx, start, end))
+                return out
+            t0 = time.perf_counter()
+            out = fn()
+            events.append((idx, time.perf_counter() - t0, None))
+            return out
+
+        runner.run(args_fn(), on_op)
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        if r > 0:
+            for idx, a, b in events:
+                samples[idx].append(a.elapsed_time(b) / 1e3 if cuda else a)
+        progress(1)
+    return [statistics.median(s) if s else 0.0 for s in samples]
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence the profiler library's own log lines (it writes to fd 2 from C++)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _workspace_cpu(runner: _OpRunner, args) -> tuple[list[int], str]:
+    """Per op: peak bytes allocated while it runs minus what it still holds at its end."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def on_op(idx, fn):
+        with record_function(f"monet_op:{idx}"):
+            return fn()
+
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        runner.run(args, on_op)
+    workspace = [0] * len(runner.graph.ops)
+    try:
+        roots = prof.profiler.kineto_results.experimental_event_tree()
+    except AttributeError:  # the private API moved: say so rather than guess
+        return workspace, "unavailable"
+
+    def allocations(ev, out):
+        for c in ev.children:
+            if str(c.tag).endswith("Allocation"):
+                out.append((c.start_time_ns, int(c.extra_fields.alloc_size)))
+            else:
+                allocations(c, out)
+        return out
+
+    stack = list(roots)
+    while stack:
+        ev = stack.pop()
+        if ev.name.startswith("monet_op:"):
+            running = peak = 0
+            for _, size in sorted(allocations(ev, [])):
+                running += size
+                peak = max(peak, running)
+            workspace[int(ev.name.split(":")[1])] = max(0, peak - max(running, 0))
+        else:
+            stack.extend(ev.children)
+    return workspace, "torch.profiler allocation events"
+
+
+def _workspace_cuda(runner: _OpRunner, args) -> tuple[list[int], str]:
+    workspace = [0] * len(runner.graph.ops)
+
+    def on_op(idx, fn):
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        out = fn()
+        torch.cuda.synchronize(runner.device)
+        after = torch.cuda.memory_allocated(runner.device)
+        workspace[idx] = max(0, torch.cuda.max_memory_allocated(runner.device) - after)
+        return out
+
+    runner.run(args, on_op)
+    return workspace, "cuda allocator peak statistics"
+
+
+def _real_args(model: nn.Module, graph: Graph, device: torch.device, dtype: torch.dtype):
+    """Placeholders for the joint graph: parameters, copies of buffers, input, seed."""
+    from monet_like.models import make_input
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def prep(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().to(device)
+        return t.to(dtype) if t.is_floating_point() else t
+
+    params = [prep(p) for p in model.parameters()]
+    x = make_input(model, graph.input_shape, graph.batch, dtype, "cpu", gen).to(device)
+    seed = torch.ones((), dtype=dtype, device=device)
+
+    def fresh():  # buffers are updated in place by BatchNorm: never touch the model's
+        return [*params, *[prep(b).clone() for b in model.buffers()], x, seed]
+
+    return fresh
+
+
+def profile(
+    model: nn.Module,
+    graph: Graph,
+    profile_batch: int | None = None,
+    device: str | torch.device | None = None,
+    repeats: int = 3,
+    use_cache: bool = True,
+    progress: bool | None = None,
+) -> Profile:
+    """Measure per-node times and workspace of `graph` (captured from `model`).
+
+    `model` must hold real parameters (not "meta"). `profile_batch` defaults to the
+    graph's batch on CUDA and to min(batch, 4) on CPU.
+    """
+    device = torch.device(device or graph.device)
+    dtype = getattr(torch, graph.dtype)
+    if profile_batch is None:
+        profile_batch = graph.batch if device.type == "cuda" else min(graph.batch, 4)
+    if not 1 <= profile_batch <= graph.batch:
+        raise UserError(f"profile batch must be between 1 and {graph.batch}, got {profile_batch}")
+    if any(p.is_meta for p in model.parameters()):
+        raise UserError("the profiler needs a model with real parameters, not one on 'meta'")
+
+    key = _cache_key(graph, profile_batch, device)
+    path = cache_dir() / "profiles" / f"{key}.json"
+    if use_cache and path.exists():
+        try:
+            cached = Profile.from_json(path.read_text())
+            cached.cached = True
+            return cached
+        except (ValueError, KeyError, TypeError):
+            path.unlink(missing_ok=True)  # unreadable or older format: profile again
+
+    started = time.perf_counter()
+    small = graph
+    if profile_batch != graph.batch:
+        small = capture(model, graph.input_shape, profile_batch, dtype, device, graph.model)
+        if [o.target for o in small.ops] != [o.target for o in graph.ops]:
+            raise UserError(
+                f"the graph at batch {profile_batch} differs from the one at batch "
+                f"{graph.batch} (batch-dependent control flow?): profile with "
+                f"--profile_batch {graph.batch}"
+            )
+    elif small.fx is None:
+        raise UserError("this graph carries no traced module to run: capture it again")
+
+    from tqdm import tqdm
+
+    runner = _OpRunner(small, device)
+    args_fn = _real_args(model, small, device, dtype)
+    bar = tqdm(
+        total=repeats + 2,
+        desc=f"profiling {graph.model} at batch {profile_batch} on {device_name(device)}",
+        unit="run",
+        disable=(not progress) if progress is not None else None,
+    )
+    try:
+        times = _median_times(runner, args_fn, repeats, bar.update)
+        if device.type == "cuda":
+            workspace, method = _workspace_cuda(runner, args_fn())
+        else:
+            workspace, method = _workspace_cpu(runner, args_fn())
+        bar.update(1)
+    except (RuntimeError, NotImplementedError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"{graph.model} cannot run in {graph.dtype} on {device_name(device)}: {first}"
+        ) from None
+    finally:
+        bar.close()
+
+    scale = graph.batch / profile_batch
+    ops = graph.ops
+    nodes = []
+    for n in graph.nodes:
+        fwd = sum(times[i] for i in n.ops) * scale
+        nodes.append(
+            NodeProfile(
+                node=n.id,
+                name=n.name,
+                kind=n.kind,
+                module=n.module,
+                output_bytes=n.output_bytes,
+                forward_s=fwd,
+                backward_s=sum(times[i] for i in n.backward_ops) * scale,
+                recompute_s=fwd,
+                workspace_bytes=int(workspace[n.op] * scale),
+                backward_workspace_bytes=int(
+                    max((workspace[i] for i in n.backward_ops), default=0) * scale
+                ),
+            )
+        )
+    result = Profile(
+        format=PROFILE_FORMAT,
+        model=graph.model,
+        fingerprint=graph.fingerprint,
+        batch=graph.batch,
+        profile_batch=profile_batch,
+        scaled=profile_batch != graph.batch,
+        input_shape=graph.input_shape,
+        dtype=graph.dtype,
+        device=device_name(device),
+        torch_version=torch.__version__,
+        repeats=repeats,
+        workspace_method=method,
+        nodes=nodes,
+        op_forward_s=sum(times[o.index] for o in ops if o.phase == FORWARD) * scale,
+        op_backward_s=sum(times[o.index] for o in ops if o.phase == BACKWARD) * scale,
+        profile_seconds=time.perf_counter() - started,
+    )
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(result.to_json())
+        tmp.replace(path)  # atomic: a crash never leaves half a profile behind
+    return result
