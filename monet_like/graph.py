@@ -417,6 +417,7 @@ def _coarsen(
             if base is not None:
                 node_ops[base].append(op.index)
                 node_of_op[op.index] = base
+                first_node_of_seq.setdefault(op.seq_nr, base)  # its backward is the node's
             continue
         nid = len(node_ops)
         node_ops.append([op.index])

@@ -16,6 +16,10 @@ All sizes are bytes (int).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -187,6 +191,63 @@ def measure(
     return Measurement(tracker.peak, tracker.baseline, "live-storage")
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence the profiler library's own log lines (it writes to fd 2 from C++)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def record_allocations(fn: Callable[[], object]):
+    """Run `fn` under torch.profiler with memory recording; return its event tree roots.
+
+    Returns None where this torch no longer offers the (experimental) event tree.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    try:
+        return prof.profiler.kineto_results.experimental_event_tree()
+    except AttributeError:
+        return None
+
+
+def allocations_under(roots) -> list[tuple[int, int]]:
+    """(time ns, signed bytes) of every allocator event below `roots`, in time order."""
+    found, stack = [], list(roots)
+    while stack:
+        ev = stack.pop()
+        if str(ev.tag).endswith("Allocation"):
+            found.append((ev.start_time_ns, int(ev.extra_fields.alloc_size)))
+        else:
+            stack.extend(ev.children)
+    return sorted(found)
+
+
+def measure_allocator(step_fn: Callable[[], object], live: Iterable[torch.Tensor] = ()) -> int:
+    """CPU: peak bytes seen by PyTorch's CPU allocator during `step_fn()`, plus `live`.
+
+    Unlike live-storage tracking this sees kernels' internal scratch (workspace) too.
+    """
+    base = LiveStorageTracker(live).baseline
+    roots = record_allocations(step_fn)
+    if roots is None:
+        raise RuntimeError("this torch offers no allocation events to measure with")
+    running = peak = 0
+    for _, size in allocations_under(roots):
+        running += size
+        peak = max(peak, running)
+    return base + peak
+
+
 def training_step(model: nn.Module, x: torch.Tensor, loss_fn=default_loss) -> None:
     """One eager step: forward, loss, backward. The output dies before backward runs."""
     loss_fn(model(x)).backward()
@@ -247,19 +308,3 @@ def simulate(
         return Measurement(tracker.peak, tracker.baseline, "fake-live-storage")
     finally:
         model.train(was_training)
-
-
-__all__ = [
-    "FixedBytes",
-    "Measurement",
-    "Timeline",
-    "fixed_bytes",
-    "store_all_timeline",
-    "store_all_peak",
-    "activation_bytes",
-    "LiveStorageTracker",
-    "measure",
-    "measure_training_step",
-    "simulate",
-    "training_step",
-]

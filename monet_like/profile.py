@@ -15,13 +15,10 @@ keyed by graph fingerprint, profile batch, dtype, device and torch version.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import statistics
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +28,7 @@ from torch import nn
 
 from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture
+from monet_like.memory import allocations_under, record_allocations
 
 PROFILE_FORMAT = 1
 
@@ -64,10 +62,15 @@ class Profile:
     repeats: int
     workspace_method: str
     nodes: list[NodeProfile]
+    op_workspace: list[tuple[int, int]] = field(default_factory=list)  # (op index, bytes) > 0
     op_forward_s: float = 0.0  # whole-step totals over every op, attributed or not
     op_backward_s: float = 0.0
     profile_seconds: float = 0.0
     cached: bool = field(default=False, compare=False)
+
+    def workspace_by_op(self) -> dict[int, int]:
+        """Transient bytes per op index of the graph, for `memory.store_all_timeline`."""
+        return dict(self.op_workspace)
 
     @property
     def step_time_s(self) -> float:
@@ -93,6 +96,7 @@ class Profile:
             raise ValueError(f"profile format {d.get('format')} is not {PROFILE_FORMAT}")
         d["nodes"] = [NodeProfile(**n) for n in d["nodes"]]
         d["input_shape"] = tuple(d["input_shape"])
+        d["op_workspace"] = [tuple(p) for p in d["op_workspace"]]
         return cls(**d)
 
 
@@ -175,50 +179,24 @@ def _median_times(runner: _OpRunner, args_fn, repeats: int, progress) -> list[fl
     return [statistics.median(s) if s else 0.0 for s in samples]
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Silence the profiler library's own log lines (it writes to fd 2 from C++)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
 def _workspace_cpu(runner: _OpRunner, args) -> tuple[list[int], str]:
     """Per op: peak bytes allocated while it runs minus what it still holds at its end."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
     def on_op(idx, fn):
         with record_function(f"monet_op:{idx}"):
             return fn()
 
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        runner.run(args, on_op)
+    roots = record_allocations(lambda: runner.run(args, on_op))
     workspace = [0] * len(runner.graph.ops)
-    try:
-        roots = prof.profiler.kineto_results.experimental_event_tree()
-    except AttributeError:  # the private API moved: say so rather than guess
+    if roots is None:  # the private API moved: say so rather than guess
         return workspace, "unavailable"
-
-    def allocations(ev, out):
-        for c in ev.children:
-            if str(c.tag).endswith("Allocation"):
-                out.append((c.start_time_ns, int(c.extra_fields.alloc_size)))
-            else:
-                allocations(c, out)
-        return out
-
     stack = list(roots)
     while stack:
         ev = stack.pop()
         if ev.name.startswith("monet_op:"):
             running = peak = 0
-            for _, size in sorted(allocations(ev, [])):
+            for _, size in allocations_under([ev]):
                 running += size
                 peak = max(peak, running)
             workspace[int(ev.name.split(":")[1])] = max(0, peak - max(running, 0))
@@ -369,6 +347,7 @@ def profile(
         repeats=repeats,
         workspace_method=method,
         nodes=nodes,
+        op_workspace=[(i, int(w * scale)) for i, w in enumerate(workspace) if w > 0],
         op_forward_s=sum(times[o.index] for o in ops if o.phase == FORWARD) * scale,
         op_backward_s=sum(times[o.index] for o in ops if o.phase == BACKWARD) * scale,
         profile_seconds=time.perf_counter() - started,

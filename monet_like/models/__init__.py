@@ -11,6 +11,7 @@ Arguments must be Python literals (numbers, strings, booleans, None, tuples...).
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,29 @@ def classification_models() -> list[str]:
     import torchvision
 
     return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Within: every parameter and buffer registered on a module moves to "meta"."""
+    saved = nn.Module.register_parameter, nn.Module.register_buffer
+    register_parameter, register_buffer = saved
+
+    def parameter(self, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register_parameter(self, name, param)
+
+    def buffer(self, name, tensor, persistent=True):
+        if tensor is not None and not tensor.is_meta:
+            tensor = tensor.to("meta")
+        register_buffer(self, name, tensor, persistent)
+
+    nn.Module.register_parameter, nn.Module.register_buffer = parameter, buffer
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter, nn.Module.register_buffer = saved
 
 
 @dataclass(frozen=True)
@@ -87,8 +111,16 @@ class ModelSpec:
         """
         ctor = self.constructor()
         try:
-            with torch.device(device):
-                model = ctor(*self.args, **dict(self.kwargs))
+            try:
+                with torch.device(device):
+                    model = ctor(*self.args, **dict(self.kwargs))
+            except (RuntimeError, NotImplementedError):
+                if torch.device(device).type != "meta":
+                    raise
+                # Some constructors read tensor values while building (RegNet): build
+                # on the CPU and move each parameter to "meta" as it is registered.
+                with _parameters_on_meta():
+                    model = ctor(*self.args, **dict(self.kwargs))
         except UserError:
             raise
         except Exception as exc:  # a bad keyword, a bad value: the user's input

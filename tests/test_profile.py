@@ -1,0 +1,73 @@
+import time
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from monet_like.errors import UserError
+from monet_like.graph import capture
+from monet_like.profile import Profile, profile
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8 * 16 * 16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def test_profile_measures_every_node_and_is_cached(tmp_path):
+    torch.manual_seed(0)
+    model = Tiny()
+    graph = capture(model, (3, 16, 16), 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    first = profile(model, graph, profile_batch=8, repeats=2, progress=False)
+    assert not first.cached and not first.scaled
+    assert [n.node for n in first.nodes] == [n.id for n in graph.nodes]
+    conv = next(n for n in first.nodes if n.kind == "convolution")
+    assert conv.forward_s > 0 and conv.backward_s > 0 and conv.recompute_s == conv.forward_s
+    assert first.step_time_s >= sum(n.forward_s + n.backward_s for n in first.nodes) * 0.999
+    # Profiling must not touch the model: BatchNorm's running stats stay as they were.
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    t0 = time.perf_counter()
+    second = profile(model, graph, profile_batch=8, repeats=2, progress=False)
+    assert second.cached and time.perf_counter() - t0 < 1.0
+    assert second.nodes == first.nodes
+
+    df = first.to_dataframe()
+    assert isinstance(df, pd.DataFrame) and len(df) == len(graph.nodes)
+    assert {"forward_s", "backward_s", "recompute_s", "workspace_bytes"} <= set(df.columns)
+    first.to_csv(tmp_path / "p.csv")
+    assert len(pd.read_csv(tmp_path / "p.csv")) == len(graph.nodes)
+    assert Profile.from_json(first.to_json()).nodes == first.nodes
+
+
+def test_profile_at_smaller_batch_scales_and_says_so():
+    model = Tiny()
+    graph = capture(model, (3, 16, 16), 8)
+    p = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
+    assert p.scaled and p.profile_batch == 2 and p.batch == 8
+    # Bytes come from the full-batch graph, exactly.
+    assert [n.output_bytes for n in p.nodes] == [n.output_bytes for n in graph.nodes]
+
+
+def test_conv_workspace_is_measured_on_cpu():
+    """mkldnn convolution allocates scratch on CPU: the profiler must see it."""
+    model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1))
+    graph = capture(model, (16, 32, 32), 4)
+    p = profile(model, graph, repeats=1, use_cache=False, progress=False)
+    assert p.workspace_method != "unavailable"
+    assert p.nodes[0].workspace_bytes > 0
+
+
+def test_profile_refuses_meta_model():
+    model = Tiny().to("meta")
+    graph = capture(model, (3, 16, 16), 2)
+    with pytest.raises(UserError, match="meta"):
+        profile(model, graph, progress=False)
