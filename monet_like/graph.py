@@ -15,6 +15,7 @@ bytes, its consumers, its parameters and the forward storages its backward reads
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -426,12 +427,27 @@ def _coarsen(
         for s in op.allocates:
             owner[s] = nid
 
+    # An in-place op whose backward needs its input (silu_) runs a clone inside its
+    # autograd kernel, and its grad_fn's seq_nr falls just before the forward ops'
+    # own: attribute such backward ops to the last node of the next seq_nr.
+    last_node_of_seq: dict[int, int] = {}
+    for nid, idxs in enumerate(node_ops):
+        last_node_of_seq[ops[idxs[0]].seq_nr] = nid
+    forward_seqs = sorted(last_node_of_seq)
+
+    def node_for(seq_nr: int) -> int | None:
+        if seq_nr in first_node_of_seq:
+            return first_node_of_seq[seq_nr]
+        k = bisect.bisect_right(forward_seqs, seq_nr)
+        return last_node_of_seq[forward_seqs[k]] if k < len(forward_seqs) else None
+
     backward_of: dict[int, list[int]] = {nid: [] for nid in range(len(node_ops))}
     for op in ops:
-        if op.phase == BACKWARD and op.seq_nr in first_node_of_seq:
-            nid = first_node_of_seq[op.seq_nr]
-            backward_of[nid].append(op.index)
-            node_of_op[op.index] = nid
+        if op.phase == BACKWARD and op.seq_nr >= 0:
+            nid = node_for(op.seq_nr)
+            if nid is not None:
+                backward_of[nid].append(op.index)
+                node_of_op[op.index] = nid
 
     new_ops = [
         Op(**{**asdict(op), "node": node_of_op.get(op.index)}) for op in ops

@@ -1,0 +1,206 @@
+"""Stage 3: from Graph + Profile + budget + mode to a Solution.
+
+    solution = solve(graph, profile, budget_bytes, mode="normal", solver="HIGHS")
+
+Edge cases are decided before any MILP: a budget at or above the store-all peak
+returns store-all at once; a budget below the fixed part, or below what any
+schedule in the model can reach, raises `InfeasibleBudget` carrying the smallest
+feasible budget (found by solving the min-memory problem) and the fixed part.
+"""
+
+from __future__ import annotations
+
+from monet_like.errors import UserError
+from monet_like.solution import Solution
+from monet_like.solver.milp import (
+    MS,
+    check_solver,
+    evaluate,
+    formulate,
+    solve_formulation,
+)
+from monet_like.solver.problem import Problem, build_problem
+
+SOLVERS = ("CBC", "HIGHS", "GUROBI", "PULP")
+MODE_FLAGS = ("inplace", "conv", "multiway", "newnode", "normal")
+# Operator variants each flag needs; none of them is built yet (see README).
+NOT_BUILT = {
+    "inplace": "in-place operators",
+    "conv": "convolution algorithm choice",
+    "multiway": "output-activated backward (BatchNorm, ReLU, hardtanh)",
+    "newnode": "compact intermediates (1-bit ReLU mask, byte max-pool argmax)",
+}
+DEFAULT_DEPTH = 8  # the compact formulation's recomputation depth (see docs/formulation.md)
+GIB = 2**30
+
+
+class InfeasibleBudget(UserError):
+    def __init__(self, message: str, min_budget_bytes: int | None, fixed_bytes: int) -> None:
+        super().__init__(message)
+        self.min_budget_bytes = min_budget_bytes
+        self.fixed_bytes = fixed_bytes
+
+
+def parse_mode(mode: str) -> tuple[str, ...]:
+    """MONeT's mode strings: flags joined by '_' (inplace_conv_multiway_newnode, normal...)."""
+    flags = tuple(f for f in mode.lower().split("_") if f)
+    unknown = [f for f in flags if f not in MODE_FLAGS]
+    if not flags or unknown:
+        raise UserError(
+            f"unknown mode {mode!r}: flags are {', '.join(MODE_FLAGS)} joined by '_' "
+            "(e.g. normal, inplace_conv_multiway_newnode)"
+        )
+    missing = [f for f in flags if f in NOT_BUILT]
+    if missing:
+        raise UserError(
+            f"mode {mode!r} needs operator variants that are not built yet: "
+            + "; ".join(f"{f} ({NOT_BUILT[f]})" for f in missing)
+            + ". Use mode 'normal' (checkpointing only)."
+        )
+    return flags
+
+
+def _store_all(problem: Problem, base: dict) -> Solution:
+    needed = {u for s in problem.stages for u in s.need}
+    return Solution(
+        **base,
+        formulation="store-all",
+        depth=None,
+        status="store-all",
+        objective_s=0.0,
+        bound_s=0.0,
+        gap=0.0,
+        solve_time_s=0.0,
+        predicted_peak_bytes=problem.store_all_peak_bytes,
+        predicted_peak_at="store-all peak",
+        predicted_time_s=problem.store_all_time_s,
+        stats={},
+        keep=[u.id in needed for u in problem.units],
+        units=[list(u.nodes) for u in problem.units],
+        stages=[
+            {"unit": s.unit, "ops": list(s.ops), "recompute": []} for s in problem.stages
+        ],
+    )
+
+
+def min_feasible_budget(problem: Problem, depth: int | None, ablation: bool, solver: str) -> int:
+    """The smallest budget any schedule of the model reaches (the min-memory problem)."""
+    import cvxpy as cp
+    import numpy as np
+
+    f = formulate(problem, depth, allow_recompute=not ablation)
+    x = cp.Variable(f.n_bool, boolean=True)
+    y = cp.Variable(f.n_cont)
+    b = cp.Variable()
+    rhs = f.rhs.copy()
+    rhs[f.budget_rows] = -f.budget_const
+    on_budget = np.zeros(f.n_rows)
+    on_budget[f.budget_rows] = 1.0
+    eq, le = f.is_eq, ~f.is_eq
+    cons = [
+        f.a_bool[eq] @ x + f.a_cont[eq] @ y == rhs[eq],
+        f.a_bool[le] @ x + f.a_cont[le] @ y - cp.multiply(on_budget[le], b) <= rhs[le],
+    ]
+    # Smallest memory first; among equals, the least recomputation.
+    prob = cp.Problem(cp.Minimize(b + 1e-6 * (f.cost @ x)), cons)
+    chosen = "HIGHS" if "HIGHS" in cp.installed_solvers() else solver
+    prob.solve(solver=getattr(cp, chosen if chosen != "PULP" else "CBC"))
+    if x.value is None:
+        raise UserError("could not solve the min-memory problem")
+    return evaluate(f, np.round(x.value).astype(int))["peak_bytes"]
+
+
+def solve(
+    graph,
+    profile,
+    budget_bytes: int,
+    mode: str = "normal",
+    solver: str = "CBC",
+    time_limit: float | None = None,
+    formulation: str = "compact",
+    depth: int | None = None,
+    ablation: bool = False,
+    gap: float = 1e-3,
+    verbose: bool = False,
+) -> Solution:
+    """Choose what to keep and what to recompute so that one step fits `budget_bytes`."""
+    parse_mode(mode)
+    solver = solver.upper()
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")
+    if formulation not in ("compact", "full"):
+        raise UserError(f"unknown formulation {formulation!r}: compact or full")
+    if budget_bytes <= 0:
+        raise UserError("the budget must be positive")
+    depth = None if formulation == "full" else (depth or DEFAULT_DEPTH)
+
+    problem = build_problem(graph, profile)
+    base = dict(
+        model=graph.model,
+        fingerprint=graph.fingerprint,
+        batch=graph.batch,
+        input_shape=graph.input_shape,
+        dtype=graph.dtype,
+        device=profile.device,
+        mode=mode,
+        budget_bytes=int(budget_bytes),
+        solver=solver,
+        store_all_peak_bytes=problem.store_all_peak_bytes,
+        store_all_time_s=problem.store_all_time_s,
+        fixed_bytes=problem.fixed_bytes,
+        ablation=ablation,
+    )
+    if budget_bytes >= problem.store_all_peak_bytes:
+        return _store_all(problem, base)
+
+    check_solver(solver)
+    if budget_bytes < problem.fixed_bytes:
+        smallest = min_feasible_budget(problem, depth, ablation, solver)
+        raise InfeasibleBudget(
+            f"budget {budget_bytes / GIB:.3f} GB is below the fixed part "
+            f"{problem.fixed_bytes / GIB:.3f} GB (parameters, gradients, buffers, input); "
+            f"the smallest feasible budget is {smallest / GIB:.3f} GB",
+            smallest,
+            problem.fixed_bytes,
+        )
+
+    f = formulate(problem, depth, allow_recompute=not ablation)
+    raw = solve_formulation(f, budget_bytes, solver, time_limit, gap, verbose)
+    if raw.status == "infeasible":
+        smallest = min_feasible_budget(problem, depth, ablation, solver)
+        raise InfeasibleBudget(
+            f"no schedule fits {budget_bytes / GIB:.3f} GB: the smallest feasible budget is "
+            f"{smallest / GIB:.3f} GB (fixed part {problem.fixed_bytes / GIB:.3f} GB)",
+            smallest,
+            problem.fixed_bytes,
+        )
+    if raw.status == "error":
+        raise UserError(f"solver {solver} failed: {raw.message}")
+
+    x = raw.x_bool
+    peak = evaluate(f, x)
+    stages = []
+    for t, s in enumerate(problem.stages):
+        rec = [u for u in f.cand[t] if (t, u) in f.r_index and x[f.r_index[t, u]]]
+        stages.append({"unit": s.unit, "ops": list(s.ops), "recompute": rec})
+    return Solution(
+        **base,
+        formulation=formulation,
+        depth=depth,
+        status=raw.status,
+        objective_s=raw.objective,
+        bound_s=raw.bound,
+        gap=raw.gap,
+        solve_time_s=raw.solve_time_s,
+        predicted_peak_bytes=peak["peak_bytes"],
+        predicted_peak_at=peak["peak_at"],
+        predicted_time_s=problem.store_all_time_s + raw.objective,
+        stats=f.stats,
+        keep=[bool(x[f.keep[u.id]]) for u in problem.units],
+        units=[list(u.nodes) for u in problem.units],
+        stages=stages,
+        extra={"recompute_ms_cost_scale": MS},
+    )
+
+
+__all__ = ["solve", "parse_mode", "InfeasibleBudget", "min_feasible_budget", "SOLVERS"]

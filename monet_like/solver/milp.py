@@ -1,0 +1,400 @@
+"""The mixed-integer program: which units to keep, which to recompute and when.
+
+See docs/formulation.md for the mathematics. In short, with units u (bytes m_u,
+recompute time c_u) and backward stages t (in eager order):
+
+  keep_u     binary   u stays in memory after the forward pass
+  R[t,u]     binary   u is recomputed just before stage t
+  S[t,u]     binary   u is in memory at the start of stage t
+
+defined only for the candidates C(t) of each stage: the units stage t needs and
+their forward ancestors up to `depth` steps back (depth=None: all ancestors, the
+"full" formulation). Outside C(t) a unit is present exactly when it was kept,
+until its last possible use. Memory is checked at every forward unit and at every
+backward stage, with the backward-only bytes (gradients, temporaries, workspace)
+of the stage's worst op. Auxiliary running sums keep the number of nonzeros
+linear in the size of the graph.
+
+The matrix is built once, sparse, and handed to cvxpy (CBC, HiGHS, Gurobi) or to
+PuLP's bundled CBC.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse as sp
+
+from monet_like.errors import UserError
+from monet_like.solver.problem import Problem
+
+MIB = float(2**20)  # bytes are scaled to MiB inside the matrix: better conditioned
+MS = 1e-3  # times scaled to milliseconds
+
+
+def candidates(problem: Problem, depth: int | None) -> list[list[int]]:
+    """C(t): the units stage t needs and their ancestors up to `depth` steps back."""
+    inputs = [u.inputs for u in problem.units]
+    result = []
+    for stage in problem.stages:
+        seen = set(stage.need)
+        frontier = deque((u, 0) for u in stage.need)
+        while frontier:
+            u, d = frontier.popleft()
+            if depth is not None and d >= depth:
+                continue
+            for v in inputs[u]:
+                if v not in seen:
+                    seen.add(v)
+                    frontier.append((v, d + 1))
+        result.append(sorted(seen))
+    return result
+
+
+@dataclass
+class Formulation:
+    problem: Problem
+    depth: int | None
+    cand: list[list[int]]
+    last_use: list[int]  # L_u: last stage where u may be present (-1: never in backward)
+    n_bool: int
+    n_cont: int
+    keep: np.ndarray  # column index of keep_u
+    r_index: dict[tuple[int, int], int]
+    s_index: dict[tuple[int, int], int]
+    cost: np.ndarray  # objective over the boolean columns (ms)
+    a_bool: sp.csr_matrix  # rows: A_b x + A_c y (<= or ==) rhs
+    a_cont: sp.csr_matrix
+    rhs: np.ndarray
+    is_eq: np.ndarray
+    budget_rows: np.ndarray  # rows whose right-hand side is the budget (minus constants)
+    budget_const: np.ndarray  # the constant subtracted on those rows (MiB)
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def n_rows(self) -> int:
+        return self.a_bool.shape[0]
+
+
+def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True) -> Formulation:
+    units, stages = problem.units, problem.stages
+    n_u, n_t = len(units), len(stages)
+    cand = candidates(problem, depth) if allow_recompute else [list(s.need) for s in stages]
+    cand_sets = [set(c) for c in cand]
+
+    last_use = [-1] * n_u
+    for t, c in enumerate(cand):
+        for u in c:
+            last_use[u] = max(last_use[u], t)
+            for v in units[u].inputs:
+                last_use[v] = max(last_use[v], t)
+
+    # -- columns -----------------------------------------------------------------------
+    keep = np.arange(n_u)
+    col = n_u
+    r_index: dict[tuple[int, int], int] = {}
+    s_index: dict[tuple[int, int], int] = {}
+    for t, c in enumerate(cand):
+        for u in c:
+            if allow_recompute:
+                r_index[t, u] = col
+                col += 1
+            s_index[t, u] = col
+            col += 1
+    n_bool = col
+    # continuous: y_k (forward kept bytes of units already consumed), z_t (kept, pinned)
+    y0, z0 = 0, n_u
+    n_cont = n_u + n_t
+
+    rows_b: list[tuple[int, int, float]] = []
+    rows_c: list[tuple[int, int, float]] = []
+    rhs: list[float] = []
+    is_eq: list[bool] = []
+    budget_rows: list[int] = []
+    budget_const: list[float] = []
+
+    def row(bool_terms, cont_terms, value, eq=False, budget_const_mib=None):
+        r = len(rhs)
+        rows_b.extend((r, j, a) for j, a in bool_terms)
+        rows_c.extend((r, j, a) for j, a in cont_terms)
+        rhs.append(value)
+        is_eq.append(eq)
+        if budget_const_mib is not None:
+            budget_rows.append(r)
+            budget_const.append(budget_const_mib)
+
+    m = [u.bytes / MIB for u in units]
+    const = problem.constant_bytes / MIB
+
+    # -- forward pass: memory while unit k runs ------------------------------------------
+    # live(k) = sum_{u<=k, lastfwd(u)>=k} m_u + y_k, y_k = sum_{lastfwd(u)<k} m_u keep_u
+    consumed_at: list[list[int]] = [[] for _ in range(n_u)]
+    diff = np.zeros(n_u + 1)
+    for u in units:
+        consumed_at[u.last_forward_use].append(u.id)
+        diff[u.id] += m[u.id]
+        diff[u.last_forward_use + 1] -= m[u.id]
+    still_needed = np.cumsum(diff)[:n_u]
+    row([], [(y0, 1.0)], 0.0, eq=True)
+    for k in range(1, n_u):
+        row(
+            [(keep[u], -m[u]) for u in consumed_at[k - 1]],
+            [(y0 + k, 1.0), (y0 + k - 1, -1.0)],
+            0.0,
+            eq=True,
+        )
+    for k in range(n_u):
+        extra = const + still_needed[k] + problem.forward_extra[k] / MIB
+        row([], [(y0 + k, 1.0)], 0.0, budget_const_mib=extra)
+
+    # -- backward stages -----------------------------------------------------------------
+    # z_t = sum_{u: last_use(u) >= t} m_u keep_u, built as a running sum from the end.
+    ends_at: list[list[int]] = [[] for _ in range(n_t)]
+    for u in range(n_u):
+        if last_use[u] >= 0:
+            ends_at[last_use[u]].append(u)
+    for t in reversed(range(n_t)):
+        terms_c = [(z0 + t, 1.0)] + ([(z0 + t + 1, -1.0)] if t + 1 < n_t else [])
+        row([(keep[u], -m[u]) for u in ends_at[t]], terms_c, 0.0, eq=True)
+
+    def present(t, u):  # P[t,u] as terms, for u in C(t)
+        terms = [(s_index[t, u], 1.0)]
+        if (t, u) in r_index:
+            terms.append((r_index[t, u], 1.0))
+        return terms
+
+    for t, stage in enumerate(stages):
+        c = cand[t]
+        # memory: z_t + sum_{u in C(t)} m_u (P[t,u] - keep_u) + grad bytes + constants <= B
+        terms = []
+        for u in c:
+            terms += [(j, m[u] * a) for j, a in present(t, u)]
+            terms.append((keep[u], -m[u]))
+        row(terms, [(z0 + t, 1.0)], 0.0, budget_const_mib=const + stage.grad_bytes / MIB)
+        for u in stage.need:
+            row([(j, -a) for j, a in present(t, u)], [], -1.0)  # P >= 1
+        for u in c:
+            if (t, u) in r_index:
+                row(present(t, u), [], 1.0)  # S + R <= 1
+                for v in units[u].inputs:  # recompute needs its inputs
+                    if v in cand_sets[t]:
+                        row([(r_index[t, u], 1.0)] + [(j, -a) for j, a in present(t, v)], [], 0.0)
+                    else:
+                        row([(r_index[t, u], 1.0), (keep[v], -1.0)], [], 0.0)
+            # S[t,u] only from what was there before
+            if t > 0 and u in cand_sets[t - 1]:
+                row([(s_index[t, u], 1.0)] + [(j, -a) for j, a in present(t - 1, u)], [], 0.0)
+            else:
+                row([(s_index[t, u], 1.0), (keep[u], -1.0)], [], 0.0)
+
+    cost = np.zeros(n_bool)
+    for (_t, u), j in r_index.items():
+        cost[j] = units[u].recompute_s / MS
+
+    n_rows = len(rhs)
+
+    def matrix(entries, n_cols):
+        if not entries:
+            return sp.csr_matrix((n_rows, n_cols))
+        r, cidx, v = zip(*entries, strict=True)
+        return sp.csr_matrix((v, (r, cidx)), shape=(n_rows, n_cols))
+
+    f = Formulation(
+        problem=problem,
+        depth=depth,
+        cand=cand,
+        last_use=last_use,
+        n_bool=n_bool,
+        n_cont=n_cont,
+        keep=keep,
+        r_index=r_index,
+        s_index=s_index,
+        cost=cost,
+        a_bool=matrix(rows_b, n_bool),
+        a_cont=matrix(rows_c, n_cont),
+        rhs=np.array(rhs),
+        is_eq=np.array(is_eq),
+        budget_rows=np.array(budget_rows, dtype=int),
+        budget_const=np.array(budget_const),
+    )
+    f.stats = {
+        "variables": n_bool + n_cont,
+        "binaries": n_bool,
+        "constraints": n_rows,
+        "nonzeros": int(f.a_bool.nnz + f.a_cont.nnz),
+    }
+    return f
+
+
+@dataclass
+class RawResult:
+    status: str  # "optimal", "feasible" (stopped with a schedule), "infeasible", "error"
+    x_bool: np.ndarray | None
+    objective: float | None  # recompute seconds
+    bound: float | None
+    gap: float | None
+    solve_time_s: float
+    solver: str
+    message: str = ""
+
+
+def _rhs_for(f: Formulation, budget_bytes: float) -> np.ndarray:
+    rhs = f.rhs.copy()
+    rhs[f.budget_rows] = budget_bytes / MIB - f.budget_const
+    return rhs
+
+
+def solve_formulation(
+    f: Formulation,
+    budget_bytes: int,
+    solver: str,
+    time_limit: float | None,
+    gap: float = 1e-3,
+    verbose: bool = False,
+) -> RawResult:
+    rhs = _rhs_for(f, budget_bytes)
+    started = time.perf_counter()
+    if solver == "PULP":
+        res = _solve_pulp(f, rhs, time_limit, gap, verbose)
+    else:
+        res = _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose)
+    res.solve_time_s = time.perf_counter() - started
+    return res
+
+
+def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose) -> RawResult:
+    import cvxpy as cp
+
+    x = cp.Variable(f.n_bool, boolean=True)
+    y = cp.Variable(f.n_cont)
+    eq, le = f.is_eq, ~f.is_eq
+    cons = []
+    if eq.any():
+        cons.append(f.a_bool[eq] @ x + f.a_cont[eq] @ y == rhs[eq])
+    if le.any():
+        cons.append(f.a_bool[le] @ x + f.a_cont[le] @ y <= rhs[le])
+    prob = cp.Problem(cp.Minimize(f.cost @ x), cons)
+    opts: dict = {}
+    if solver == "HIGHS":
+        opts = {"mip_rel_gap": gap}
+        if time_limit:
+            opts["time_limit"] = float(time_limit)
+    elif solver == "CBC":
+        opts = {"allowableFractionGap": gap}
+        if time_limit:
+            opts["maximumSeconds"] = int(max(1, time_limit))
+    elif solver == "GUROBI":
+        opts = {"MIPGap": gap}
+        if time_limit:
+            opts["TimeLimit"] = float(time_limit)
+    try:
+        prob.solve(solver=getattr(cp, solver), verbose=verbose, **opts)
+    except cp.error.SolverError as exc:
+        return RawResult("error", None, None, None, None, 0.0, solver, str(exc))
+    status = prob.status
+    bound = gap_value = None
+    stats = prob.solver_stats.extra_stats if prob.solver_stats else None
+    if solver == "HIGHS" and stats is not None:
+        bound = getattr(stats, "mip_dual_bound", None)
+        gap_value = getattr(stats, "mip_gap", None)
+    elif solver == "GUROBI" and stats is not None:
+        bound = getattr(stats, "ObjBound", None)
+        gap_value = getattr(stats, "MIPGap", None)
+    if status in ("infeasible", "infeasible_inaccurate"):
+        return RawResult("infeasible", None, None, None, None, 0.0, solver)
+    if x.value is None:
+        return RawResult("error", None, None, None, None, 0.0, solver, f"solver status {status}")
+    x_val = np.round(x.value).astype(int)
+    objective = float(f.cost @ x_val) * MS
+    if bound is not None and np.isfinite(bound):
+        bound = float(bound) * MS
+    else:
+        bound = None
+    if gap_value is not None and not np.isfinite(gap_value):
+        gap_value = None
+    if objective <= 1e-12:
+        gap_value, bound = 0.0, 0.0
+    final = "optimal" if status == "optimal" else "feasible"
+    if final == "optimal" and gap_value is None and solver == "CBC":
+        gap_value = None  # CBC through cvxpy does not report its bound: unknown, not zero
+    return RawResult(final, x_val, objective, bound, gap_value, 0.0, solver)
+
+
+def _solve_pulp(f, rhs, time_limit, gap, verbose) -> RawResult:
+    import pulp
+
+    prob = pulp.LpProblem("monet_like", pulp.LpMinimize)
+    xb = [pulp.LpVariable(f"x{j}", cat="Binary") for j in range(f.n_bool)]
+    yc = [pulp.LpVariable(f"y{j}") for j in range(f.n_cont)]
+    prob += pulp.lpSum(float(c) * xb[j] for j, c in enumerate(f.cost) if c)
+    a_b, a_c = f.a_bool.tocsr(), f.a_cont.tocsr()
+    for r in range(f.n_rows):
+        lhs = [(xb[j], v) for j, v in zip(a_b.indices[a_b.indptr[r] : a_b.indptr[r + 1]],
+                                          a_b.data[a_b.indptr[r] : a_b.indptr[r + 1]], strict=True)]
+        lhs += [(yc[j], v) for j, v in zip(a_c.indices[a_c.indptr[r] : a_c.indptr[r + 1]],
+                                           a_c.data[a_c.indptr[r] : a_c.indptr[r + 1]], strict=True)]
+        expr = pulp.LpAffineExpression(lhs)
+        prob += (expr == rhs[r]) if f.is_eq[r] else (expr <= rhs[r])
+    cmd = pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit, gapRel=gap)
+    prob.solve(cmd)
+    status = pulp.LpStatus[prob.status]
+    if status == "Infeasible":
+        return RawResult("infeasible", None, None, None, None, 0.0, "PULP")
+    if any(v.varValue is None for v in xb):
+        return RawResult("error", None, None, None, None, 0.0, "PULP", f"status {status}")
+    x_val = np.array([round(v.varValue) for v in xb], dtype=int)
+    objective = float(f.cost @ x_val) * MS
+    final = "optimal" if status == "Optimal" and prob.sol_status == 1 else "feasible"
+    return RawResult(final, x_val, objective, None, 0.0 if objective == 0 else None, 0.0, "PULP")
+
+
+def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
+    """Exact bytes of a 0/1 assignment under the model: peak and where it is reached."""
+    p = f.problem
+    units, m = p.units, [u.bytes for u in p.units]
+    keep = x_bool[f.keep]
+    peak, where = 0, ""
+    for k in range(len(units)):
+        live = p.constant_bytes + p.forward_extra[k]
+        live += sum(m[u] for u in range(k + 1) if units[u].last_forward_use >= k or keep[u])
+        if live > peak:
+            peak, where = live, f"forward unit {k}"
+    for t, stage in enumerate(p.stages):
+        cset = set(f.cand[t])
+        live = p.constant_bytes + stage.grad_bytes
+        for u in range(len(units)):
+            if u in cset:
+                present = x_bool[f.s_index[t, u]] + (
+                    x_bool[f.r_index[t, u]] if (t, u) in f.r_index else 0
+                )
+                live += m[u] * present
+            elif keep[u] and f.last_use[u] >= t:
+                live += m[u]
+        if live > peak:
+            peak, where = live, f"backward stage {t}"
+    return {"peak_bytes": int(peak), "peak_at": where}
+
+
+def check_solver(solver: str) -> None:
+    """Raise a UserError saying how to install `solver` when it is not usable."""
+    if solver == "PULP":
+        try:
+            import pulp
+
+            if not pulp.PULP_CBC_CMD().available():
+                raise UserError("PuLP's bundled CBC is not available: pip install pulp")
+        except ImportError:
+            raise UserError("solver PULP is not installed: pip install pulp") from None
+        return
+    import cvxpy as cp
+
+    if solver not in cp.installed_solvers():
+        how = {
+            "CBC": "pip install cylp",
+            "HIGHS": "pip install highspy",
+            "GUROBI": "pip install gurobipy (and a Gurobi licence)",
+        }.get(solver, "")
+        raise UserError(f"solver {solver} is not installed for cvxpy: {how}".rstrip(": "))

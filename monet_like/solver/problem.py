@@ -1,0 +1,175 @@
+"""From Graph + Profile to the plain data the MILP is written over.
+
+Units. A unit is what can be kept or dropped: the activation storages one forward
+compute node allocates, together with the in-place nodes that later write into
+them (a BatchNorm output and the `relu_` applied to it are one unit: autograd
+only ever saves the final contents). Recomputing a unit re-runs all its nodes.
+
+Stages. The backward pass runs in eager PyTorch's order. A stage is a maximal run
+of consecutive backward ops attributed to the same unit; `need[t]` are the units
+whose storages the stage's ops read (what autograd saved), and `grad_bytes[t]` the
+largest number of bytes that exist only in the backward pass (gradients,
+temporaries, workspace) at any op of the stage. That part does not depend on the
+checkpointing decisions, so it is computed once, exactly, from the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from monet_like.graph import ACTIVATION, BACKWARD, FORWARD, GRADIENT, Graph
+from monet_like.memory import last_uses
+
+
+@dataclass(frozen=True)
+class Unit:
+    id: int
+    nodes: tuple[int, ...]  # graph nodes, forward order
+    storages: tuple[int, ...]
+    bytes: int
+    recompute_s: float
+    workspace_bytes: int  # largest forward workspace among its nodes
+    inputs: tuple[int, ...]  # units whose storages its nodes read
+    last_forward_use: int  # last unit (index) that reads it in the forward pass
+
+
+@dataclass(frozen=True)
+class Stage:
+    id: int
+    unit: int | None  # the unit whose backward this is (None: glue ops)
+    ops: tuple[int, ...]
+    need: tuple[int, ...]
+    grad_bytes: int  # backward-only bytes alive at the stage's worst op, workspace included
+
+
+@dataclass(frozen=True)
+class Problem:
+    units: list[Unit]
+    stages: list[Stage]
+    constant_bytes: int  # parameters, buffers, input, seed: alive the whole step
+    forward_extra: list[int]  # per unit: other bytes alive while it runs in forward
+    store_all_peak_bytes: int  # exact peak of the eager store-all step (with workspace)
+    store_all_time_s: float  # forward + backward time of one eager step
+    fixed_bytes: int  # params + grads + buffers + input (what no schedule removes)
+
+
+def build_problem(graph: Graph, profile, workspace: dict[int, int] | None = None) -> Problem:
+    """`profile`: a monet_like.profile.Profile for `graph` (times and workspace)."""
+    from monet_like.memory import fixed_bytes, store_all_timeline
+
+    workspace = workspace if workspace is not None else profile.workspace_by_op()
+    node_time = {n.node: n.forward_s for n in profile.nodes}
+    storages, ops = graph.storages, graph.ops
+
+    # -- units ---------------------------------------------------------------------
+    unit_of_storage: dict[int, int] = {}
+    unit_nodes: list[list[int]] = []
+    unit_storages: list[list[int]] = []
+    unit_of_node: dict[int, int] = {}
+    for node in graph.nodes:
+        acts = [s for s in node.outputs if storages[s].kind == ACTIVATION]
+        if acts:
+            uid = len(unit_nodes)
+            unit_nodes.append([node.id])
+            unit_storages.append(acts)
+            for s in acts:
+                unit_of_storage[s] = uid
+            unit_of_node[node.id] = uid
+            continue
+        written = [unit_of_storage[s] for s in ops[node.op].outputs if s in unit_of_storage]
+        if node.inplace and written:
+            unit_nodes[written[0]].append(node.id)
+            unit_of_node[node.id] = written[0]
+        # else: bookkeeping on buffers or parameters (num_batches_tracked += 1): no unit
+
+    n_units = len(unit_nodes)
+    inputs: list[set[int]] = [set() for _ in range(n_units)]
+    last_fwd = list(range(n_units))
+    for uid, nids in enumerate(unit_nodes):
+        for nid in nids:
+            for i in graph.nodes[nid].ops:
+                for s in ops[i].reads:
+                    src = unit_of_storage.get(s)
+                    if src is not None and src != uid:
+                        inputs[uid].add(src)
+                        last_fwd[src] = max(last_fwd[src], uid)
+    units = [
+        Unit(
+            id=uid,
+            nodes=tuple(nids),
+            storages=tuple(unit_storages[uid]),
+            bytes=sum(storages[s].nbytes for s in unit_storages[uid]),
+            recompute_s=sum(node_time.get(n, 0.0) for n in nids),
+            workspace_bytes=max(workspace.get(graph.nodes[n].op, 0) for n in nids),
+            inputs=tuple(sorted(inputs[uid])),
+            last_forward_use=last_fwd[uid],
+        )
+        for uid, nids in enumerate(unit_nodes)
+    ]
+
+    # -- bytes that are not units' ---------------------------------------------------
+    constant = sum(s.nbytes for s in storages if s.kind in ("param", "buffer", "input", "seed"))
+    unit_storage_set = set(unit_of_storage)
+    last = last_uses(graph)
+    other_live = [0] * (len(ops) + 1)  # non-unit, non-constant storages alive at each op
+    diff = [0] * (len(ops) + 1)
+    for op in ops:
+        for s in op.allocates:
+            if s in unit_storage_set or storages[s].kind not in (ACTIVATION, GRADIENT):
+                continue
+            end = len(ops) if storages[s].kind == GRADIENT else last[s] + 1
+            diff[op.index] += storages[s].nbytes
+            diff[end] -= storages[s].nbytes
+    running = 0
+    for i in range(len(ops)):
+        running += diff[i]
+        other_live[i] = running + workspace.get(i, 0)
+
+    forward_extra = [0] * n_units
+    for op in ops:
+        if op.phase == FORWARD and op.node is not None and op.node in unit_of_node:
+            u = unit_of_node[op.node]
+            forward_extra[u] = max(forward_extra[u], other_live[op.index])
+
+    # -- stages ----------------------------------------------------------------------
+    stages: list[Stage] = []
+    current: list[int] = []
+    current_unit: int | None = None
+
+    def close() -> None:
+        if not current:
+            return
+        need = sorted(
+            {unit_of_storage[s] for i in current for s in ops[i].reads if s in unit_of_storage}
+        )
+        stages.append(
+            Stage(
+                id=len(stages),
+                unit=current_unit,
+                ops=tuple(current),
+                need=tuple(need),
+                grad_bytes=max(other_live[i] for i in current),
+            )
+        )
+
+    for op in ops:
+        if op.phase != BACKWARD:
+            continue
+        unit = unit_of_node.get(op.node) if op.node is not None else None
+        if unit is not None and unit != current_unit and current:
+            close()
+            current = []
+        if unit is not None:
+            current_unit = unit
+        current.append(op.index)
+    close()
+
+    return Problem(
+        units=units,
+        stages=stages,
+        constant_bytes=constant,
+        forward_extra=forward_extra,
+        store_all_peak_bytes=store_all_timeline(graph, workspace).peak_bytes,
+        store_all_time_s=profile.step_time_s,
+        fixed_bytes=fixed_bytes(graph).total,
+    )
