@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -208,6 +209,126 @@ def cmd_profile(args) -> dict:
         backward_time_s=prof.op_backward_s,
     )
     return report
+
+
+def build_solve_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="solve.py",
+        description="solve for a schedule that fits one training step in BUDGET_GB",
+    )
+    p.add_argument("model", help='"torchvision.models.NAME(...)", unet, gpt, or pkg.module:factory')
+    p.add_argument("batch", type=positive_int, help="batch size")
+    p.add_argument("budget_gb", type=float, help="memory budget in GB (1 GB = 2**30 bytes)")
+    p.add_argument("mode", help="normal, or MONeT flags joined by _ (e.g. inplace_normal)")
+    p.add_argument("solver", help="CBC, HIGHS, GUROBI or PULP")
+    p.add_argument("--time_limit", type=float, default=None, help="seconds for the MILP")
+    p.add_argument("--ablation", action="store_true", help="forbid recomputation")
+    p.add_argument("--formulation", default="compact", choices=("compact", "full"))
+    p.add_argument("--depth", type=positive_int, default=None, help="compact: recompute depth")
+    p.add_argument("--input_shape", help="per-sample input shape without batch, e.g. 3,224,224")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--profile_batch", type=positive_int, help="batch to time at (scaled up)")
+    p.add_argument("--output", help="solution file (default: OUTPUT_DIR/solution_...json)")
+    p.add_argument("--output_dir", default="solutions", help="folder for the default file name")
+    p.add_argument("--verbose", action="store_true", help="show the solver's log")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    return p
+
+
+def default_solution_name(spec_name: str, batch: int, mode: str, budget_gb: float) -> str:
+    return f"solution_{spec_name}_{batch}_{mode}_{budget_gb:g}.json"
+
+
+def cmd_solve(args) -> dict:
+    from monet_like.graph import capture
+    from monet_like.profile import profile
+    from monet_like.solver import SOLVERS, parse_mode, solve
+
+    if args.budget_gb <= 0:
+        raise UserError(f"the budget must be positive, got {args.budget_gb:g} GB")
+    parse_mode(args.mode)  # fail before any capture or profiling
+    if args.solver.upper() not in SOLVERS:
+        raise UserError(f"unknown solver {args.solver!r}: choose one of {', '.join(SOLVERS)}")
+    spec, shape, dtype, device = _setup(args)
+    model = spec.build("cpu").to(device)
+    graph = capture(model, shape, args.batch, dtype, device, spec.expression)
+    print(f"{graph.summary()}", flush=True)
+    prof = profile(model, graph, profile_batch=args.profile_batch, device=device)
+    budget = int(args.budget_gb * GIB)
+    print(
+        f"solving: budget {args.budget_gb:g} GB, mode {args.mode}, {args.solver.upper()},"
+        f" {args.formulation} formulation"
+        + (f", time limit {args.time_limit:g} s" if args.time_limit else ""),
+        flush=True,
+    )
+    sol = solve(
+        graph,
+        prof,
+        budget,
+        mode=args.mode,
+        solver=args.solver,
+        time_limit=args.time_limit,
+        formulation=args.formulation,
+        depth=args.depth,
+        ablation=args.ablation,
+        verbose=args.verbose,
+    )
+    out = args.output or os.path.join(
+        args.output_dir, default_solution_name(spec.name, args.batch, args.mode, args.budget_gb)
+    )
+    sol.save(out)
+    gap = "unknown (solver reports no bound)" if sol.gap is None else f"{sol.gap:.2%}"
+    recomputed = sum(len(s["recompute"]) for s in sol.stages)
+    print(
+        f"  status {sol.status}; {sum(sol.keep)} of {len(sol.keep)} units kept,"
+        f" {recomputed} recomputations\n"
+        f"  predicted peak {sol.predicted_peak_bytes / GIB:.3f} GB (budget {args.budget_gb:g} GB,"
+        f" store-all {sol.store_all_peak_bytes / GIB:.3f} GB, fixed part"
+        f" {sol.fixed_bytes / GIB:.3f} GB)\n"
+        f"  predicted step time {sol.predicted_time_s:.3f} s vs store-all"
+        f" {sol.store_all_time_s:.3f} s: overhead {sol.overhead:+.2%}\n"
+        f"  gap {gap}; solve time {sol.solve_time_s:.1f} s; {sol.stats or 'no MILP needed'}\n"
+        f"  solution written to {out}"
+    )
+    report = sol.summary()
+    report.update(
+        solution_file=out,
+        predicted_time_s=sol.predicted_time_s,
+        overhead=sol.overhead,
+    )
+    return report
+
+
+def solve_main(argv: list[str] | None = None) -> int:
+    """Entry point of solve.py: MONeT's argument order."""
+    from monet_like.solver import InfeasibleBudget
+
+    args = build_solve_parser().parse_args(argv)
+    try:
+        report = cmd_solve(args)
+    except InfeasibleBudget as exc:
+        print(f"solve.py: error: {exc}", file=sys.stderr)
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "status": "infeasible",
+                        "min_feasible_budget_bytes": exc.min_budget_bytes,
+                        "fixed_bytes": exc.fixed_bytes,
+                    }
+                )
+            )
+        return 2
+    except UserError as exc:
+        print(f"solve.py: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("solve.py: interrupted; no solution file written", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(report))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

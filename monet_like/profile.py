@@ -8,9 +8,11 @@ more run under torch.profiler with memory recording gives each op's workspace
 times come from CUDA events and workspace from the allocator's peak statistics.
 
 On a slow device the profile may be taken at a smaller batch than the one solved
-for; times and workspace are then scaled linearly by the batch ratio, and the
-profile says so (`scaled`, `profile_batch`). Profiles are cached on disk as JSON,
-keyed by graph fingerprint, profile batch, dtype, device and torch version.
+for; times are then scaled linearly by the batch ratio, workspace is measured at
+a second batch and extrapolated per op as a + b * batch (a weight reorder does not
+grow with the batch), and the profile says so (`scaled`, `profile_batch`).
+Profiles are cached on disk as JSON, keyed by graph fingerprint, profile batch,
+dtype, device and torch version.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture
 from monet_like.memory import allocations_under, record_allocations
 
-PROFILE_FORMAT = 1
+PROFILE_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,17 @@ def _workspace_cuda(runner: _OpRunner, args) -> tuple[list[int], str]:
     return workspace, "cuda allocator peak statistics"
 
 
+def _extrapolate(w1: list[int], b1: int, w2: list[int], b2: int, batch: int) -> list[int]:
+    """Per op, the line through (b1, w1) and (b2, w2) evaluated at `batch`; never negative,
+    never below what was measured."""
+    out = []
+    for a, b in zip(w1, w2, strict=True):
+        slope = max(0.0, (a - b) / (b1 - b2))
+        intercept = max(0.0, a - slope * b1)
+        out.append(int(max(a, b, intercept + slope * batch)))
+    return out
+
+
 def _real_args(model: nn.Module, graph: Graph, device: torch.device, dtype: torch.dtype):
     """Placeholders for the joint graph: parameters, copies of buffers, input, seed."""
     from monet_like.models import make_input
@@ -275,35 +288,52 @@ def profile(
             path.unlink(missing_ok=True)  # unreadable or older format: profile again
 
     started = time.perf_counter()
-    small = graph
-    if profile_batch != graph.batch:
-        small = capture(model, graph.input_shape, profile_batch, dtype, device, graph.model)
-        if [o.target for o in small.ops] != [o.target for o in graph.ops]:
+
+    def graph_at(batch: int) -> Graph:
+        if batch == graph.batch:
+            if graph.fx is None:
+                raise UserError("this graph carries no traced module to run: capture it again")
+            return graph
+        other = capture(model, graph.input_shape, batch, dtype, device, graph.model)
+        if [o.target for o in other.ops] != [o.target for o in graph.ops]:
             raise UserError(
-                f"the graph at batch {profile_batch} differs from the one at batch "
-                f"{graph.batch} (batch-dependent control flow?): profile with "
-                f"--profile_batch {graph.batch}"
+                f"the graph at batch {batch} differs from the one at batch {graph.batch} "
+                f"(batch-dependent control flow?): profile with --profile_batch {graph.batch}"
             )
-    elif small.fx is None:
-        raise UserError("this graph carries no traced module to run: capture it again")
+        return other
+
+    def workspace_at(g: Graph) -> tuple[list[int], str]:
+        runner = _OpRunner(g, device)
+        args = _real_args(model, g, device, dtype)()
+        if device.type == "cuda":
+            return _workspace_cuda(runner, args)
+        return _workspace_cpu(runner, args)
 
     from tqdm import tqdm
 
+    scaled = profile_batch != graph.batch
+    small = graph_at(profile_batch)
     runner = _OpRunner(small, device)
     args_fn = _real_args(model, small, device, dtype)
     bar = tqdm(
-        total=repeats + 2,
+        total=repeats + 2 + scaled,
         desc=f"profiling {graph.model} at batch {profile_batch} on {device_name(device)}",
         unit="run",
         disable=(not progress) if progress is not None else None,
     )
     try:
         times = _median_times(runner, args_fn, repeats, bar.update)
-        if device.type == "cuda":
-            workspace, method = _workspace_cuda(runner, args_fn())
-        else:
-            workspace, method = _workspace_cpu(runner, args_fn())
+        workspace, method = workspace_at(small)
         bar.update(1)
+        if scaled:
+            # Workspace is not all proportional to the batch (a weight reorder is not):
+            # measure at a second batch and extrapolate each op's a + b * batch.
+            other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
+            if other_batch != profile_batch:
+                other, _ = workspace_at(graph_at(other_batch))
+                workspace = _extrapolate(workspace, profile_batch, other, other_batch, graph.batch)
+                method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
+            bar.update(1)
     except (RuntimeError, NotImplementedError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
@@ -327,10 +357,8 @@ def profile(
                 forward_s=fwd,
                 backward_s=sum(times[i] for i in n.backward_ops) * scale,
                 recompute_s=fwd,
-                workspace_bytes=int(workspace[n.op] * scale),
-                backward_workspace_bytes=int(
-                    max((workspace[i] for i in n.backward_ops), default=0) * scale
-                ),
+                workspace_bytes=workspace[n.op],
+                backward_workspace_bytes=max((workspace[i] for i in n.backward_ops), default=0),
             )
         )
     result = Profile(
@@ -339,7 +367,7 @@ def profile(
         fingerprint=graph.fingerprint,
         batch=graph.batch,
         profile_batch=profile_batch,
-        scaled=profile_batch != graph.batch,
+        scaled=scaled,
         input_shape=graph.input_shape,
         dtype=graph.dtype,
         device=device_name(device),
@@ -347,7 +375,7 @@ def profile(
         repeats=repeats,
         workspace_method=method,
         nodes=nodes,
-        op_workspace=[(i, int(w * scale)) for i, w in enumerate(workspace) if w > 0],
+        op_workspace=[(i, w) for i, w in enumerate(workspace) if w > 0],
         op_forward_s=sum(times[o.index] for o in ops if o.phase == FORWARD) * scale,
         op_backward_s=sum(times[o.index] for o in ops if o.phase == BACKWARD) * scale,
         profile_seconds=time.perf_counter() - started,

@@ -30,7 +30,7 @@ NOT_BUILT = {
     "multiway": "output-activated backward (BatchNorm, ReLU, hardtanh)",
     "newnode": "compact intermediates (1-bit ReLU mask, byte max-pool argmax)",
 }
-DEFAULT_DEPTH = 8  # the compact formulation's recomputation depth (see docs/formulation.md)
+DEFAULT_DEPTH = 16  # the compact formulation's recomputation depth (see docs/formulation.md)
 GIB = 2**30
 
 
@@ -77,9 +77,7 @@ def _store_all(problem: Problem, base: dict) -> Solution:
         stats={},
         keep=[u.id in needed for u in problem.units],
         units=[list(u.nodes) for u in problem.units],
-        stages=[
-            {"unit": s.unit, "ops": list(s.ops), "recompute": []} for s in problem.stages
-        ],
+        stages=[{"unit": s.unit, "ops": list(s.ops), "recompute": []} for s in problem.stages],
     )
 
 

@@ -318,8 +318,10 @@ def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose) -> RawResult:
     if objective <= 1e-12:
         gap_value, bound = 0.0, 0.0
     final = "optimal" if status == "optimal" else "feasible"
-    if final == "optimal" and gap_value is None and solver == "CBC":
-        gap_value = None  # CBC through cvxpy does not report its bound: unknown, not zero
+    if final == "optimal" and gap_value is None:
+        # CBC through cvxpy reports no bound, but "optimal" means its search finished
+        # within the requested relative gap: that tolerance is an upper bound on the gap.
+        gap_value = gap
     return RawResult(final, x_val, objective, bound, gap_value, 0.0, solver)
 
 
@@ -331,11 +333,13 @@ def _solve_pulp(f, rhs, time_limit, gap, verbose) -> RawResult:
     yc = [pulp.LpVariable(f"y{j}") for j in range(f.n_cont)]
     prob += pulp.lpSum(float(c) * xb[j] for j, c in enumerate(f.cost) if c)
     a_b, a_c = f.a_bool.tocsr(), f.a_cont.tocsr()
+
+    def terms(a, variables, r):
+        lo, hi = a.indptr[r], a.indptr[r + 1]
+        return [(variables[j], v) for j, v in zip(a.indices[lo:hi], a.data[lo:hi], strict=True)]
+
     for r in range(f.n_rows):
-        lhs = [(xb[j], v) for j, v in zip(a_b.indices[a_b.indptr[r] : a_b.indptr[r + 1]],
-                                          a_b.data[a_b.indptr[r] : a_b.indptr[r + 1]], strict=True)]
-        lhs += [(yc[j], v) for j, v in zip(a_c.indices[a_c.indptr[r] : a_c.indptr[r + 1]],
-                                           a_c.data[a_c.indptr[r] : a_c.indptr[r + 1]], strict=True)]
+        lhs = terms(a_b, xb, r) + terms(a_c, yc, r)
         expr = pulp.LpAffineExpression(lhs)
         prob += (expr == rhs[r]) if f.is_eq[r] else (expr <= rhs[r])
     cmd = pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit, gapRel=gap)
@@ -348,7 +352,9 @@ def _solve_pulp(f, rhs, time_limit, gap, verbose) -> RawResult:
     x_val = np.array([round(v.varValue) for v in xb], dtype=int)
     objective = float(f.cost @ x_val) * MS
     final = "optimal" if status == "Optimal" and prob.sol_status == 1 else "feasible"
-    return RawResult(final, x_val, objective, None, 0.0 if objective == 0 else None, 0.0, "PULP")
+    # Finished within gapRel: that tolerance bounds the gap (PuLP reports no bound).
+    bound_gap = 0.0 if objective == 0 else (gap if final == "optimal" else None)
+    return RawResult(final, x_val, objective, None, bound_gap, 0.0, "PULP")
 
 
 def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:

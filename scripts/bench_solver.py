@@ -1,0 +1,123 @@
+"""The MILP on MONeT's benchmark configurations: size, solve time, gap, predicted overhead.
+
+For each model at MONeT's batch size and each budget (GB), each solver: variables,
+constraints, solve time, final gap and the predicted overhead of the schedule over
+the store-all step (from this machine's profile). Writes a CSV and a PNG.
+
+    python scripts/bench_solver.py [--models resnet50,googlenet,...] [--budgets 10,9,8,7,6,5]
+        [--solvers HIGHS,CBC] [--time_limit 600] [--formulation compact] [--out out/]
+"""
+
+import argparse
+import os
+import time
+import warnings
+
+import pandas as pd
+
+from monet_like.graph import capture
+from monet_like.models import parse_model
+from monet_like.profile import profile
+from monet_like.solver import InfeasibleBudget, solve
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+GIB = 2**30
+# name: (expression, per-sample input shape, MONeT's batch, batch to profile at on this CPU)
+MODELS = {
+    "resnet50": ("torchvision.models.resnet50()", (3, 224, 224), 184, 4),
+    "googlenet": ("torchvision.models.googlenet()", (3, 224, 224), 320, 4),
+    "mobilenet_v2": ("torchvision.models.mobilenet_v2()", (3, 224, 224), 272, 4),
+    "vgg16": ("torchvision.models.vgg16()", (3, 224, 224), 176, 4),
+    "unet": ("unet", (3, 416, 608), 11, 1),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="resnet50")
+    ap.add_argument("--budgets", default="10,9,8,7,6,5")
+    ap.add_argument("--solvers", default="HIGHS,CBC")
+    ap.add_argument("--time_limit", type=float, default=600)
+    ap.add_argument("--formulation", default="compact")
+    ap.add_argument("--out", default="out")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    rows = []
+    for name in args.models.split(","):
+        expression, shape, batch, profile_batch = MODELS[name]
+        model = parse_model(expression).build("cpu")
+        graph = capture(model, shape, batch, model_name=expression)
+        t0 = time.perf_counter()
+        prof = profile(model, graph, profile_batch=profile_batch, progress=False)
+        print(
+            f"\n{name} batch {batch}: {len(graph.nodes)} nodes; profiled at batch "
+            f"{profile_batch} in {time.perf_counter() - t0:.0f} s"
+            f"{' (cached)' if prof.cached else ''}"
+        )
+        print(
+            f"{'GB':>4s} {'solver':>6s} {'vars':>7s} {'cons':>7s} {'status':>10s} {'gap':>7s}"
+            f" {'solve s':>8s} {'peak GB':>8s} {'overhead':>9s}"
+        )
+        for budget in (float(b) for b in args.budgets.split(",")):
+            for solver in args.solvers.split(","):
+                row = {"model": name, "batch": batch, "budget_gb": budget, "solver": solver}
+                try:
+                    sol = solve(
+                        graph,
+                        prof,
+                        int(budget * GIB),
+                        solver=solver,
+                        time_limit=args.time_limit,
+                        formulation=args.formulation,
+                    )
+                    row.update(
+                        status=sol.status,
+                        variables=sol.stats.get("variables", 0),
+                        constraints=sol.stats.get("constraints", 0),
+                        gap=sol.gap,
+                        solve_s=sol.solve_time_s,
+                        peak_gb=sol.predicted_peak_bytes / GIB,
+                        overhead=sol.overhead,
+                    )
+                except InfeasibleBudget as exc:
+                    row.update(status="infeasible", min_budget_gb=exc.min_budget_bytes / GIB)
+                rows.append(row)
+                if row["status"] == "infeasible":
+                    print(
+                        f"{budget:4g} {solver:>6s} infeasible: smallest feasible budget "
+                        f"{row['min_budget_gb']:.2f} GB"
+                    )
+                    continue
+                gap = "n/a" if row["gap"] is None else f"{row['gap']:.2%}"
+                print(
+                    f"{budget:4g} {solver:>6s} {row['variables']:7d} {row['constraints']:7d}"
+                    f" {row['status']:>10s} {gap:>7s} {row['solve_s']:8.1f}"
+                    f" {row['peak_gb']:8.3f} {row['overhead']:+9.2%}",
+                    flush=True,
+                )
+
+    df = pd.DataFrame(rows)
+    csv = os.path.join(args.out, "bench_solver.csv")
+    df.to_csv(csv, index=False)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ok = df[df["status"] != "infeasible"]
+    for (name, solver), g in ok.groupby(["model", "solver"]):
+        ax.plot(g["budget_gb"], 100 * g["overhead"], marker="o", label=f"{name} {solver}")
+    ax.set_xlabel("budget (GB)")
+    ax.set_ylabel("predicted overhead vs store-all (%)")
+    ax.invert_xaxis()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = os.path.join(args.out, "bench_solver.png")
+    fig.savefig(png, dpi=120)
+    print(f"\nwrote {csv} and {png}")
+
+
+if __name__ == "__main__":
+    main()
