@@ -113,7 +113,7 @@ def solve(
     profile,
     budget_bytes: int,
     mode: str = "normal",
-    solver: str = "CBC",
+    solver: str = "HIGHS",
     time_limit: float | None = None,
     formulation: str = "compact",
     depth: int | None = None,

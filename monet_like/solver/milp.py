@@ -22,6 +22,7 @@ PuLP's bundled CBC.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -326,6 +327,12 @@ def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose) -> RawResult:
 
 
 def _solve_pulp(f, rhs, time_limit, gap, verbose) -> RawResult:
+    with warnings.catch_warnings():  # PuLP 3 warns about its own 4.0 API change
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve_pulp_quiet(f, rhs, time_limit, gap, verbose)
+
+
+def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose) -> RawResult:
     import pulp
 
     prob = pulp.LpProblem("monet_like", pulp.LpMinimize)

@@ -1,0 +1,80 @@
+"""solve.py as a user meets it: MONeT's argument order, JSON last line, exit 2 on bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from monet_like.solution import load
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = ["torchvision.models.resnet18()", "16"]
+SMALL = ["--input_shape", "3,64,64", "--json"]
+
+
+def run(*args):
+    return subprocess.run(
+        [sys.executable, "solve.py", *args], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
+
+
+def last_json(r):
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_solve_writes_a_solution_within_budget(tmp_path):
+    out = tmp_path / "s.json"
+    r = run(*MODEL, "0.109", "normal", "CBC", *SMALL, "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    report = last_json(r)
+    for key in (
+        "status",
+        "predicted_peak_bytes",
+        "predicted_time_s",
+        "store_all_peak_bytes",
+        "store_all_time_s",
+        "gap",
+        "solve_time_s",
+        "solution_file",
+    ):
+        assert key in report
+    assert report["status"] in ("optimal", "feasible")
+    assert report["predicted_peak_bytes"] <= 0.109 * 2**30
+    sol = load(out)
+    assert sol.model == MODEL[0] and sol.batch == 16 and sol.input_shape == (3, 64, 64)
+    assert sol.mode == "normal" and sol.solver == "CBC"
+
+
+def test_default_output_name(tmp_path):
+    r = run(*MODEL, "100", "normal", "HIGHS", *SMALL, "--output_dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    report = last_json(r)
+    assert report["status"] == "store-all"
+    assert os.path.basename(report["solution_file"]) == "solution_resnet18_16_normal_100.json"
+
+
+def test_infeasible_budget_exits_2_with_smallest_feasible_budget():
+    r = run(*MODEL, "0.05", "normal", "HIGHS", *SMALL)
+    assert r.returncode == 2
+    assert "smallest feasible budget" in r.stderr and "Traceback" not in r.stderr
+    report = last_json(r)
+    assert report["status"] == "infeasible"
+    assert report["min_feasible_budget_bytes"] > report["fixed_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([*MODEL, "5", "inplace_conv_multiway_newnode", "CBC"], "not built yet"),
+        ([*MODEL, "5", "normal", "NOSUCH"], "unknown solver"),
+        ([*MODEL, "-1", "normal", "CBC"], "positive"),
+        ([*MODEL, "5", "turbo", "CBC"], "unknown mode"),
+    ],
+)
+def test_bad_input_is_one_line(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], r.stderr

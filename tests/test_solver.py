@@ -1,0 +1,198 @@
+"""The MILP: optimal on tiny problems (checked by brute force), safe on real graphs."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from monet_like.errors import UserError
+from monet_like.graph import capture
+from monet_like.models import parse_model
+from monet_like.profile import profile
+from monet_like.solution import SolutionFileError, load
+from monet_like.solver import InfeasibleBudget, min_feasible_budget, parse_mode, solve
+from monet_like.solver.milp import evaluate, formulate, solve_formulation
+from monet_like.solver.problem import Problem, Stage, Unit, build_problem
+
+MIB = 2**20
+SOLVERS = ["HIGHS", "CBC", "PULP"]
+
+
+def toy_problem(edges: dict[int, tuple[int, ...]], sizes, times, stage_needs, grad=1) -> Problem:
+    """A hand-made problem: units with inputs, and backward stages needing units."""
+    n = len(sizes)
+    last_fwd = [max([u] + [v for v in range(n) if u in edges.get(v, ())]) for u in range(n)]
+    units = [
+        Unit(u, (u,), (u,), sizes[u] * MIB, times[u], 0, tuple(edges.get(u, ())), last_fwd[u])
+        for u in range(n)
+    ]
+    stages = [Stage(t, need[-1], (), tuple(need), grad * MIB) for t, need in enumerate(stage_needs)]
+    return Problem(units, stages, 0, [0] * n, 0, 1.0, 0)
+
+
+CHAIN = toy_problem(
+    {1: (0,), 2: (1,)}, sizes=[4, 3, 2], times=[3e-3, 1e-3, 2e-3], stage_needs=[[2, 1], [1, 0], [0]]
+)
+DIAMOND = toy_problem(
+    {1: (0,), 2: (0,), 3: (1, 2)},
+    sizes=[4, 2, 3, 1],
+    times=[5e-3, 1e-3, 2e-3, 1e-3],
+    stage_needs=[[3, 2], [2, 0], [1, 0]],
+)
+
+
+def brute_force(f, budget_bytes):
+    """Cheapest 0/1 assignment satisfying every row, by enumeration (None: infeasible)."""
+    rhs = f.rhs.copy()
+    rhs[f.budget_rows] = budget_bytes / MIB - f.budget_const
+    ab, ac = f.a_bool.toarray(), f.a_cont.toarray()
+    eq, le = f.is_eq, ~f.is_eq
+    xs = np.array(list(itertools.product([0, 1], repeat=f.n_bool)), dtype=float).T
+    ys = np.linalg.solve(ac[eq], rhs[eq][:, None] - ab[eq] @ xs)  # running sums: determined
+    ok = np.all(ab[le] @ xs + ac[le] @ ys <= rhs[le][:, None] + 1e-9, axis=0)
+    if not ok.any():
+        return None
+    costs = np.where(ok, f.cost @ xs, np.inf)
+    return float(costs.min()) * 1e-3
+
+
+@pytest.mark.parametrize("problem, depth", [(CHAIN, None), (DIAMOND, 1)])
+@pytest.mark.parametrize("budget_mib", [5, 7, 9, 12, 20])
+def test_solvers_find_the_brute_force_optimum(problem, depth, budget_mib):
+    f = formulate(problem, depth)
+    assert f.n_bool <= 20, "keep the enumeration small"
+    best = brute_force(f, budget_mib * MIB)
+    for solver in SOLVERS:
+        raw = solve_formulation(f, budget_mib * MIB, solver, time_limit=30)
+        if best is None:
+            assert raw.status == "infeasible", solver
+            continue
+        assert raw.status == "optimal", solver
+        assert raw.objective == pytest.approx(best, abs=1e-9), solver
+        assert evaluate(f, raw.x_bool)["peak_bytes"] <= budget_mib * MIB
+
+
+@pytest.fixture(scope="module")
+def resnet18():
+    torch.manual_seed(0)
+    model = parse_model("torchvision.models.resnet18()").build()
+    graph = capture(model, (3, 64, 64), 16)
+    prof = profile(model, graph, repeats=1, progress=False)
+    return graph, prof, build_problem(graph, prof)
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.6, 0.3])
+def test_every_solution_fits_its_budget(resnet18, fraction):
+    graph, prof, problem = resnet18
+    low = min_feasible_budget(problem, None, False, "HIGHS")
+    budget = int(low + fraction * (problem.store_all_peak_bytes - low))
+    sol = solve(graph, prof, budget, solver="HIGHS", time_limit=60)
+    assert sol.status == "optimal"
+    assert sol.predicted_peak_bytes <= budget
+    assert sol.predicted_time_s >= sol.store_all_time_s
+    assert sol.fingerprint == graph.fingerprint and len(sol.keep) == len(problem.units)
+
+
+def test_budget_above_store_all_returns_store_all_without_solving(resnet18):
+    graph, prof, problem = resnet18
+    sol = solve(graph, prof, problem.store_all_peak_bytes + 1, solver="HIGHS")
+    assert sol.status == "store-all" and sol.stats == {} and sol.solve_time_s == 0
+    assert not any(s["recompute"] for s in sol.stages)
+    assert sol.predicted_peak_bytes == problem.store_all_peak_bytes
+
+
+def test_infeasible_budgets_report_the_smallest_feasible_one(resnet18):
+    graph, prof, problem = resnet18
+    with pytest.raises(InfeasibleBudget) as below_fixed:
+        solve(graph, prof, problem.fixed_bytes // 2, solver="HIGHS")
+    assert "fixed part" in str(below_fixed.value)
+    smallest = below_fixed.value.min_budget_bytes
+    assert problem.fixed_bytes < smallest < problem.store_all_peak_bytes
+    with pytest.raises(InfeasibleBudget) as just_below:
+        solve(graph, prof, smallest - MIB, solver="HIGHS", formulation="full")
+    assert just_below.value.min_budget_bytes == smallest
+    sol = solve(graph, prof, smallest, solver="HIGHS", formulation="full", time_limit=60)
+    assert sol.predicted_peak_bytes <= smallest
+
+
+def test_ablation_forbids_recomputation(resnet18):
+    graph, prof, problem = resnet18
+    with_recompute = min_feasible_budget(problem, None, False, "HIGHS")
+    without = min_feasible_budget(problem, None, True, "HIGHS")
+    assert without > with_recompute
+    sol = solve(graph, prof, without, solver="HIGHS", ablation=True)
+    assert not any(s["recompute"] for s in sol.stages)
+
+
+SMALL_GRAPHS = [
+    ("torchvision.models.resnet18()", (3, 64, 64), 16),
+    ("torchvision.models.mobilenet_v2()", (3, 64, 64), 8),
+    ("torchvision.models.googlenet()", (3, 64, 64), 8),
+    ("unet(base=8)", (3, 64, 64), 4),
+    ("gpt(depth=2, dim=64)", (64,), 8),
+]
+
+
+@pytest.mark.parametrize("expression, shape, batch", SMALL_GRAPHS)
+def test_compact_formulation_is_within_two_percent_of_full(expression, shape, batch):
+    torch.manual_seed(0)
+    model = parse_model(expression).build()
+    graph = capture(model, shape, batch)
+    prof = profile(model, graph, repeats=1, progress=False)
+    problem = build_problem(graph, prof)
+    low = min_feasible_budget(problem, None, False, "HIGHS")
+    for fraction in (0.2, 0.5):
+        budget = int(low + fraction * (problem.store_all_peak_bytes - low))
+        full = solve(graph, prof, budget, solver="HIGHS", formulation="full", time_limit=120)
+        compact = solve(graph, prof, budget, solver="HIGHS", time_limit=120)
+        assert compact.stats["variables"] <= full.stats["variables"]
+        assert compact.objective_s <= 1.02 * full.objective_s + 1e-6
+        assert compact.objective_s >= full.objective_s - 1e-6  # compact restricts full
+
+
+def test_modes_parse_and_unbuilt_variants_say_so():
+    assert parse_mode("normal") == ("normal",)
+    for mode in (
+        "inplace_normal",
+        "conv_normal",
+        "multiway",
+        "newnode",
+        "inplace_conv_multiway_newnode",
+    ):
+        with pytest.raises(UserError, match="not built yet"):
+            parse_mode(mode)
+    with pytest.raises(UserError, match="unknown mode"):
+        parse_mode("turbo")
+
+
+def test_gurobi_when_installed():
+    cvxpy = pytest.importorskip("cvxpy")
+    if "GUROBI" not in cvxpy.installed_solvers():
+        pytest.skip("Gurobi is not installed (no licence on this machine)")
+    f = formulate(CHAIN, None)
+    raw = solve_formulation(f, 9 * MIB, "GUROBI", time_limit=30)
+    assert raw.objective == pytest.approx(brute_force(f, 9 * MIB))
+
+
+def test_solution_file_roundtrip_and_refusals(resnet18, tmp_path):
+    graph, prof, problem = resnet18
+    budget = (
+        min_feasible_budget(problem, None, False, "HIGHS") + problem.store_all_peak_bytes
+    ) // 2
+    sol = solve(graph, prof, budget, solver="HIGHS")
+    path = sol.save(tmp_path / "s.json")
+    again = load(path)
+    assert again == sol
+    text = path.read_text()
+    (tmp_path / "cut.json").write_text(text[: len(text) // 2])
+    with pytest.raises(SolutionFileError, match="truncated"):
+        load(tmp_path / "cut.json")
+    newer = json.loads(text)
+    newer["format_version"] = 99
+    (tmp_path / "new.json").write_text(json.dumps(newer))
+    with pytest.raises(SolutionFileError, match="newer"):
+        load(tmp_path / "new.json")
+    with pytest.raises(SolutionFileError, match="no such"):
+        load(tmp_path / "missing.json")
