@@ -278,7 +278,12 @@ def cmd_solve(args) -> dict:
         args.output_dir, default_solution_name(spec.name, args.batch, args.mode, args.budget_gb)
     )
     sol.save(out)
-    gap = "unknown (solver reports no bound)" if sol.gap is None else f"{sol.gap:.2%}"
+    if sol.gap is None:
+        gap = "unknown (stopped before the solver's tolerance; it reports no bound)"
+    elif sol.bound_s is None and sol.status == "optimal" and sol.gap > 0:
+        gap = f"<= {sol.gap:.2%} (the solver's tolerance; it reports no bound)"
+    else:
+        gap = f"{sol.gap:.2%}"
     recomputed = sum(len(s["recompute"]) for s in sol.stages)
     print(
         f"  status {sol.status}; {sum(sol.keep)} of {len(sol.keep)} units kept,"
@@ -291,6 +296,13 @@ def cmd_solve(args) -> dict:
         f"  gap {gap}; solve time {sol.solve_time_s:.1f} s; {sol.stats or 'no MILP needed'}\n"
         f"  solution written to {out}"
     )
+    fits = sol.predicted_peak_bytes <= budget
+    print(
+        f"  check: predicted peak {'<=' if fits else '>'} budget: {'ok' if fits else 'FAILED'}"
+        " (replaying the schedule to measure it is not built yet)"
+    )
+    if not fits:  # the MILP promised otherwise: a bug, never a silent result
+        raise RuntimeError("the solution's predicted peak exceeds the budget")
     report = sol.summary()
     report.update(
         solution_file=out,
