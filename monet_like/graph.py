@@ -76,6 +76,7 @@ class Op:
     outputs: tuple[int, ...]  # storages of all its outputs (new, aliased or written)
     node: int | None  # forward: the node it belongs to; backward: whose backward it is
     seq_nr: int
+    random: bool = False  # draws from the RNG (dropout): recomputing it would differ
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,10 @@ class Graph:
     ops: list[Op]
     nodes: list[Node]
     fingerprint: str = ""
-    # The traced torch.fx.GraphModule, for the profiler to run; not part of the value.
+    # The traced torch.fx.GraphModule, for the profiler and the replay to run, and the
+    # pytree spec of the model's outputs: not part of the value.
     fx: Any = field(default=None, repr=False, compare=False)
+    out_spec: Any = field(default=None, repr=False, compare=False)
 
     # -- derived facts ------------------------------------------------------------
     def bytes_of(self, kind: str) -> int:
@@ -141,6 +144,7 @@ class Graph:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("fx")
+        d.pop("out_spec")
         return d
 
     def summary(self) -> str:
@@ -185,8 +189,30 @@ def _module_path(meta: dict) -> str:
     return str(path[0] if isinstance(path, tuple) else path)
 
 
-def _trace(model: nn.Module, example: torch.Tensor, fake_params, fake_buffers, seed):
-    """make_fx over one training step written functionally; returns the GraphModule."""
+def _differentiable(outputs: Any) -> tuple[list[torch.Tensor], Any, list[int]]:
+    """Flatten a model's outputs: (tensor leaves, pytree spec, indices that need grad)."""
+    from torch.utils._pytree import tree_flatten as flatten
+
+    leaves, spec = flatten(outputs)
+    diff = [
+        i
+        for i, t in enumerate(leaves)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    if not diff:
+        raise UserError("the model returned no floating tensor that requires grad")
+    return leaves, spec, diff
+
+
+def _trace(model: nn.Module, example: torch.Tensor, fake_params, fake_buffers, fake_mode):
+    """make_fx over one training step written functionally.
+
+    The step takes one incoming gradient ("tangent") per differentiable output, so a
+    replay can take whatever gradient autograd hands it. The tangents are traced as
+    one scalar expanded to each output's shape: what `loss.sum().backward()` passes,
+    so the memory model counts what an eager step holds. Returns the GraphModule and
+    the outputs' pytree spec.
+    """
     import torch.fx.traceback as fx_traceback
     from torch.func import functional_call
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -195,24 +221,33 @@ def _trace(model: nn.Module, example: torch.Tensor, fake_params, fake_buffers, s
     buffer_names = [n for n, _ in model.named_buffers()]
     trainable = [i for i, (_, p) in enumerate(model.named_parameters()) if p.requires_grad]
 
-    def step(params, buffers, x, seed):
+    def forward(params, buffers, x):
         state = dict(zip(param_names, params, strict=True))
         state.update(zip(buffer_names, buffers, strict=True))
-        loss = default_loss(functional_call(model, state, (x,)))
+        return functional_call(model, state, (x,))
+
+    with fake_mode:  # a first, untraced pass to learn the outputs' structure
+        leaves, spec, diff = _differentiable(forward(fake_params, fake_buffers, example))
+        tangents = [torch.ones((), dtype=leaves[i].dtype).expand(leaves[i].shape) for i in diff]
+
+    def step(params, buffers, x, tangents):
+        leaves, _, diff = _differentiable(forward(params, buffers, x))
         wrt = [params[i] for i in trainable]
-        _tag_backward_ops(loss)
-        return torch.autograd.grad([loss], wrt, [seed], allow_unused=True)
+        _tag_backward_ops([leaves[i] for i in diff])
+        grads = torch.autograd.grad([leaves[i] for i in diff], wrt, tangents, allow_unused=True)
+        return [t if isinstance(t, torch.Tensor) else None for t in leaves], list(grads)
 
     handles = _record_module_paths(model)
     try:
         with fx_traceback.preserve_node_meta():
-            return make_fx(step, tracing_mode="fake")(fake_params, fake_buffers, example, seed)
+            gm = make_fx(step, tracing_mode="fake")(fake_params, fake_buffers, example, tangents)
     finally:
         for h in handles:
             h.remove()
+    return gm, spec, diff
 
 
-def _tag_backward_ops(loss: torch.Tensor) -> None:
+def _tag_backward_ops(outputs: list[torch.Tensor]) -> None:
     """Have each traced backward op carry the seq_nr of the forward op it differentiates.
 
     This is the hook AOTAutograd installs for the same purpose; without it every
@@ -224,8 +259,9 @@ def _tag_backward_ops(loss: torch.Tensor) -> None:
         )
     except ImportError:  # moved in a later torch: attribution degrades, capture works
         return
-    if loss.grad_fn is not None:
-        setup_stacktrace_preservation_hooks([loss.grad_fn])
+    roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    if roots:
+        setup_stacktrace_preservation_hooks(roots)
 
 
 def _record_module_paths(model: nn.Module) -> list:
@@ -294,11 +330,8 @@ def capture(
             buffers = [fake_like(b, False) for b in model.buffers()]
             in_dtype = input_dtype(model, dtype)
             x = torch.empty((batch, *input_shape), dtype=in_dtype, device=device)
-            if in_dtype.is_floating_point:
-                x = x.requires_grad_(False)
-            seed = torch.ones((), dtype=dtype, device=device)
         try:
-            gm = _trace(model, x, params, buffers, seed)
+            gm, out_spec, diff_outputs = _trace(model, x, params, buffers, fake_mode)
         except UserError:
             raise
         except Exception as exc:
@@ -326,16 +359,16 @@ def capture(
     fx_nodes = list(gm.graph.nodes)
     placeholders = [n for n in fx_nodes if n.op == "placeholder"]
     named = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    kinds = [PARAM] * len(params) + [BUFFER] * len(buffers) + [INPUT, SEED]
-    names = named + ["input", "seed"]
+    kinds = [PARAM] * len(params) + [BUFFER] * len(buffers) + [INPUT]
+    kinds += [SEED] * len(diff_outputs)
+    names = named + ["input"] + [f"tangent{i}" for i in range(len(diff_outputs))]
     for ph, kind, name in zip(placeholders, kinds, names, strict=True):
         for t in _tensors(ph.meta.get("val")):
             storage_of(t, kind, name)
-    seed_storage = len(storages) - 1
 
     ops: list[Op] = []
     op_meta: list[dict] = []
-    tainted = {seed_storage}  # storages that depend on the backward seed
+    tainted = {s.id for s in storages if s.kind == SEED}  # depend on the incoming gradients
     in_backward = False
     for n in fx_nodes:
         if n.op != "call_function" or n.target.__name__ == "getitem":
@@ -370,13 +403,17 @@ def capture(
                 outputs=tuple(outputs),
                 node=None,
                 seq_nr=int(n.meta.get("seq_nr", -1)),
+                random=torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()),
             )
         )
         op_meta.append({"kind": _short_kind(n.target), "module": _module_path(n.meta)})
 
-    # Graph outputs are the parameter gradients: they live to the end of the step.
+    # The graph returns (forward outputs, parameter gradients). The gradients live to
+    # the end of the step; the outputs are the user's, and die as eager's would.
     output_node = fx_nodes[-1]
-    for arg in output_node.all_input_nodes:
+    flat_outputs = output_node.args[0]  # make_fx flattens: the leaves, then the gradients
+    grad_nodes = [a for a in flat_outputs[out_spec.num_leaves :] if isinstance(a, torch.fx.Node)]
+    for arg in grad_nodes:
         for t in _tensors(arg.meta.get("val")):
             sid, _ = storage_of(t, GRADIENT, arg.name)
             s = storages[sid]
@@ -395,6 +432,7 @@ def capture(
         ops=ops,
         nodes=nodes,
         fx=gm,
+        out_spec=out_spec,
     )
     graph.fingerprint = _fingerprint(storages, ops)
     return graph

@@ -235,7 +235,7 @@ def _extrapolate(w1: list[int], b1: int, w2: list[int], b2: int, batch: int) -> 
 
 
 def _real_args(model: nn.Module, graph: Graph, device: torch.device, dtype: torch.dtype):
-    """Placeholders for the joint graph: parameters, copies of buffers, input, seed."""
+    """Placeholders for the joint graph: parameters, copies of buffers, input, tangents."""
     from monet_like.models import make_input
 
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -246,12 +246,20 @@ def _real_args(model: nn.Module, graph: Graph, device: torch.device, dtype: torc
 
     params = [prep(p) for p in model.parameters()]
     x = make_input(model, graph.input_shape, graph.batch, dtype, "cpu", gen).to(device)
-    seed = torch.ones((), dtype=dtype, device=device)
+    tangents = tangents_for(graph, device)
 
     def fresh():  # buffers are updated in place by BatchNorm: never touch the model's
-        return [*params, *[prep(b).clone() for b in model.buffers()], x, seed]
+        return [*params, *[prep(b).clone() for b in model.buffers()], x, *tangents]
 
     return fresh
+
+
+def tangents_for(graph: Graph, device: torch.device) -> list[torch.Tensor]:
+    """The incoming gradients of a sum loss: a scalar one expanded to each output."""
+    placeholders = [n for n in graph.fx.graph.nodes if n.op == "placeholder"]
+    n_tangents = sum(s.kind == "seed" for s in graph.storages)
+    metas = [p.meta["val"] for p in placeholders[len(placeholders) - n_tangents :]]
+    return [torch.ones((), dtype=m.dtype, device=device).expand(m.shape) for m in metas]
 
 
 def profile(

@@ -180,7 +180,9 @@ def solve(
     stages = []
     for t, s in enumerate(problem.stages):
         rec = [u for u in f.cand[t] if (t, u) in f.r_index and x[f.r_index[t, u]]]
-        stages.append({"unit": s.unit, "ops": list(s.ops), "recompute": rec})
+        stages.append(
+            {"unit": s.unit, "ops": list(s.ops), "recompute": rec, "candidates": f.cand[t]}
+        )
     return Solution(
         **base,
         formulation=formulation,

@@ -100,7 +100,7 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
     s_index: dict[tuple[int, int], int] = {}
     for t, c in enumerate(cand):
         for u in c:
-            if allow_recompute:
+            if allow_recompute and not units[u].random:
                 r_index[t, u] = col
                 col += 1
             s_index[t, u] = col
@@ -178,6 +178,9 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         for u in stage.need:
             row([(j, -a) for j, a in present(t, u)], [], -1.0)  # P >= 1
         for u in c:
+            # A kept unit stays until its last possible use: once freed, it could only
+            # come back by recomputation, never as the "pinned" kept value.
+            row([(keep[u], 1.0)] + [(j, -a) for j, a in present(t, u)], [], 0.0)
             if (t, u) in r_index:
                 row(present(t, u), [], 1.0)  # S + R <= 1
                 for v in units[u].inputs:  # recompute needs its inputs

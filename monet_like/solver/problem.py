@@ -31,6 +31,7 @@ class Unit:
     workspace_bytes: int  # largest forward workspace among its nodes
     inputs: tuple[int, ...]  # units whose storages its nodes read
     last_forward_use: int  # last unit (index) that reads it in the forward pass
+    random: bool = False  # holds a random op (dropout): never recomputed, only kept
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ def build_problem(graph: Graph, profile, workspace: dict[int, int] | None = None
             workspace_bytes=max(workspace.get(graph.nodes[n].op, 0) for n in nids),
             inputs=tuple(sorted(inputs[uid])),
             last_forward_use=last_fwd[uid],
+            random=any(ops[i].random for n in nids for i in graph.nodes[n].ops),
         )
         for uid, nids in enumerate(unit_nodes)
     ]

@@ -1,0 +1,228 @@
+"""Stage 4: from Graph + Solution to an executable Schedule, and the executor that runs it.
+
+A schedule is the captured joint graph's own aten ops, in order: the forward ops,
+then for each backward stage the recomputations the solution placed just before
+it, then the stage's backward ops. Every value is freed right after its last use
+in that order; a value that is recomputed gets a new version, and readers take
+the newest version present. So what stays alive after the forward pass is exactly
+what the backward pass reads from it: the kept units (and views of parameters),
+not the dropped ones.
+
+Recomputation never updates BatchNorm running statistics a second time (a
+buffer an op would write is replaced by a throwaway copy during recomputation),
+and a unit holding a random op (dropout) is never recomputed: the solver keeps it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from monet_like.graph import BACKWARD, FORWARD, Graph
+from monet_like.solution import Solution
+
+ORIGINAL = -1  # version of a value computed in the forward pass
+# Ops that write their buffer arguments without saying so in their schema.
+_UNDECLARED_WRITERS = {"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"}
+
+
+class ScheduleError(RuntimeError):
+    """A schedule that cannot run on this graph: a bug or a file for another model."""
+
+
+@dataclass(frozen=True)
+class Step:
+    node: str  # fx node name
+    version: int  # ORIGINAL, or the stage before which it is recomputed
+    stage: int  # -1 in the forward pass
+    reads: tuple[tuple[str, int], ...]  # (fx name, version) of its tensor inputs
+
+
+@dataclass
+class Schedule:
+    steps: list[Step]
+    n_forward: int  # steps[:n_forward] run in the forward pass
+    free_after: list[list[tuple[str, int]]]  # values dropped after each step
+    outputs: list[str | None]  # fx names of the model's output leaves
+    grads: list[str | None]  # fx names of the parameter gradients (None: unused)
+    n_params: int
+    n_buffers: int
+    n_tangents: int
+    placeholders: list[str]
+    recomputed_units: int
+
+
+def build(graph: Graph, solution: Solution) -> Schedule:
+    """Lay out the steps of `solution` over `graph` and where each value dies."""
+    if graph.fx is None:
+        raise ScheduleError("the graph carries no traced module: capture it again")
+    if graph.fingerprint != solution.fingerprint:
+        raise ScheduleError(
+            f"the solution was solved for graph {solution.fingerprint}, this graph is "
+            f"{graph.fingerprint}"
+        )
+    fx_nodes = {n.name: n for n in graph.fx.graph.nodes}
+    getitems: dict[str, list[str]] = {}
+    for n in graph.fx.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "getitem":
+            getitems.setdefault(n.args[0].name, []).append(n.name)
+
+    def with_getitems(name: str) -> list[str]:
+        return [name, *getitems.get(name, [])]
+
+    steps: list[Step] = []
+    latest: dict[str, int] = {}
+
+    def emit(name: str, version: int, stage: int) -> None:
+        reads = tuple((a.name, latest[a.name]) for a in fx_nodes[name].all_input_nodes)
+        steps.append(Step(name, version, stage, reads))
+        latest[name] = version
+
+    placeholders = [n.name for n in graph.fx.graph.nodes if n.op == "placeholder"]
+    for name in placeholders:
+        latest[name] = ORIGINAL
+    for op in graph.ops:
+        if op.phase == FORWARD:
+            for name in with_getitems(op.name):
+                emit(name, ORIGINAL, -1)
+    n_forward = len(steps)
+
+    unit_ops = [
+        sorted(i for nid in nodes for i in graph.nodes[nid].ops) for nodes in solution.units
+    ]
+    unit_names = [[n for i in ops for n in with_getitems(graph.ops[i].name)] for ops in unit_ops]
+    recomputed_version: dict[int, int] = {}  # unit -> stage of the version readers take
+    recomputed = 0
+    for t, stage in enumerate(solution.stages):
+        # A recomputed version lasts while the unit stays a candidate (the solver's S
+        # variables); outside, readers take the forward pass's value, which the solver
+        # then guarantees was kept.
+        candidates = set(stage.get("candidates", ()))
+        for u in [u for u in recomputed_version if u not in candidates]:
+            del recomputed_version[u]
+            for name in unit_names[u]:
+                latest[name] = ORIGINAL
+        for u in sorted(stage["recompute"]):
+            recomputed_version[u] = t
+            recomputed += 1
+            for i in unit_ops[u]:
+                for name in with_getitems(graph.ops[i].name):
+                    emit(name, t, t)
+        for i in stage["ops"]:
+            if graph.ops[i].phase != BACKWARD:
+                raise ScheduleError(f"stage {t} lists forward op {graph.ops[i].name}")
+            for name in with_getitems(graph.ops[i].name):
+                emit(name, ORIGINAL, t)
+
+    out_args = list(graph.fx.graph.output_node().args[0])
+    n_leaves = graph.out_spec.num_leaves
+    outputs = [a.name if isinstance(a, torch.fx.Node) else None for a in out_args[:n_leaves]]
+    grads = [a.name if isinstance(a, torch.fx.Node) else None for a in out_args[n_leaves:]]
+
+    # Liveness: a value dies after its last reader; gradients and outputs are read at the
+    # end of their pass.
+    last: dict[tuple[str, int], int] = {}
+    for k, step in enumerate(steps):
+        last.setdefault((step.node, step.version), k)
+        for key in step.reads:
+            last[key] = k
+    never = len(steps)  # gradients are handed to autograd, never freed here
+    for g in grads:
+        if g is not None:
+            last[(g, latest[g])] = never
+    for o in outputs:  # the user holds the outputs; our reference goes once backward starts
+        if o is not None:
+            last[(o, ORIGINAL)] = max(last.get((o, ORIGINAL), 0), n_forward)
+    free_after: list[list[tuple[str, int]]] = [[] for _ in steps]
+    for key, k in last.items():
+        if key[0] not in placeholders and k < never:
+            free_after[k].append(key)
+
+    n_tangents = sum(s.kind == "seed" for s in graph.storages)
+    n_params = sum(1 for s in graph.storages if s.kind == "param")
+    n_buffers = len(placeholders) - n_params - 1 - n_tangents
+    return Schedule(
+        steps=steps,
+        n_forward=n_forward,
+        free_after=free_after,
+        outputs=outputs,
+        grads=grads,
+        n_params=n_params,
+        n_buffers=n_buffers,
+        n_tangents=n_tangents,
+        placeholders=placeholders,
+        recomputed_units=recomputed,
+    )
+
+
+class Executor:
+    """Runs a Schedule's steps on tensors (real, or fake for simulation)."""
+
+    def __init__(self, graph: Graph, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.fx_nodes = {n.name: n for n in graph.fx.graph.nodes}
+        first = schedule.n_params
+        self.buffer_names = set(schedule.placeholders[first : first + schedule.n_buffers])
+
+    def _run_step(self, step: Step, env: dict) -> None:
+        node = self.fx_nodes[step.node]
+
+        def load(a):
+            if isinstance(a, torch.fx.Node):
+                key = (a.name, dict(step.reads)[a.name])
+                if key not in env:
+                    raise ScheduleError(f"{step.node} reads {a.name} (version {key[1]}), freed")
+                return env[key]
+            return a
+
+        args = torch.fx.node.map_aggregate(node.args, load)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, load)
+        if step.version != ORIGINAL:
+            args = self._protect_buffers(node, args)
+        env[(step.node, step.version)] = node.target(*args, **kwargs)
+
+    def _protect_buffers(self, node, args):
+        """A recomputed op must not write buffers (BatchNorm's running statistics): give
+        it copies. `native_batch_norm` writes its running stats without declaring it in
+        its schema, so it is named here; other ops are caught by their schema."""
+        schema = getattr(node.target, "_schema", None)
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if not (name in _UNDECLARED_WRITERS or (schema is not None and schema.is_mutable)):
+            return args
+        return tuple(
+            a.clone()
+            if isinstance(src, torch.fx.Node) and src.name in self.buffer_names and a is not None
+            else a
+            for a, src in zip(args, node.args, strict=False)
+        ) + tuple(args[len(node.args) :])
+
+    def run(self, env: dict, start: int, stop: int) -> None:
+        for k in range(start, stop):
+            self._run_step(self.schedule.steps[k], env)
+            for key in self.schedule.free_after[k]:
+                env.pop(key, None)
+
+    def forward(self, params, buffers, x) -> tuple[dict, list]:
+        """Run the forward steps; return what the backward pass needs, and the outputs."""
+        s = self.schedule
+        env: dict = {}
+        for name, v in zip(s.placeholders, [*params, *buffers, x], strict=False):
+            env[(name, ORIGINAL)] = v
+        self.run(env, 0, s.n_forward)
+        outputs = [env.get((o, ORIGINAL)) if o else None for o in s.outputs]
+        return env, outputs
+
+    def backward(self, env: dict, tangents: list[torch.Tensor]) -> list:
+        s = self.schedule
+        for name, t in zip(s.placeholders[-s.n_tangents :], tangents, strict=True):
+            env[(name, ORIGINAL)] = t
+        self.run(env, s.n_forward, len(s.steps))
+        grads = []
+        for g in s.grads:
+            if g is None:
+                grads.append(None)
+                continue
+            grads.append(next((v for k, v in env.items() if k[0] == g), None))
+        env.clear()
+        return grads

@@ -1,0 +1,131 @@
+"""Stage 5: ScheduleWrapper, the nn.Module a user trains with.
+
+    wrapped = ScheduleWrapper(model, "solutions/solution_resnet50_184_normal_10.json",
+                              (3, 224, 224))
+    out = wrapped(x); loss(out).backward(); optimizer.step()
+
+It shares the model's parameters and buffers (optimizers built on
+`model.parameters()`, `state_dict()`, `.train()`/`.eval()` all work). In training
+mode with gradients enabled, forward and backward follow the schedule; in eval
+mode or under `torch.no_grad()` it is the model's own forward.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_unflatten
+
+from monet_like.errors import UserError
+from monet_like.graph import capture
+from monet_like.schedule import Executor, build
+from monet_like.solution import SolutionFileError, load
+
+
+class ScheduleMismatch(UserError):
+    """The solution file does not belong to this model, input shape or dtype."""
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, executor, buffers, diff_index, x, *params):
+        env, outputs = executor.forward(params, buffers, x)
+        ctx.executor, ctx.env, ctx.n_outputs = executor, env, len(outputs)
+        ctx.diff_index, ctx.requires = diff_index, [p.requires_grad for p in params]
+        tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
+        ctx.mark_non_differentiable(
+            *[o for i, o in enumerate(outputs) if o is not None and i not in diff_index]
+        )
+        ctx.positions = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)]
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        by_position = dict(zip(ctx.positions, grad_outputs, strict=True))
+        tangents = []
+        for i in ctx.diff_index:
+            g = by_position.get(i)
+            tangents.append(g if g is not None else torch.zeros(()))
+        grads = ctx.executor.backward(ctx.env, tangents)
+        ctx.env = None
+        param_grads = iter(grads)
+        out = [next(param_grads) if req else None for req in ctx.requires]
+        return (None, None, None, None, *out)
+
+
+class ScheduleWrapper(nn.Module):
+    def __init__(
+        self, model: nn.Module, solution_file: str | os.PathLike, input_shape: tuple[int, ...]
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.solution = load(solution_file)
+        self.input_shape = tuple(input_shape)
+        sol = self.solution
+        if self.input_shape != tuple(sol.input_shape):
+            raise ScheduleMismatch(
+                f"{solution_file} was solved for input shape {tuple(sol.input_shape)}, "
+                f"not {self.input_shape}: solve again for this shape"
+            )
+        param = next(model.parameters())
+        graph = capture(
+            model, self.input_shape, sol.batch, getattr(torch, sol.dtype), param.device, sol.model
+        )
+        if graph.fingerprint != sol.fingerprint:
+            raise ScheduleMismatch(
+                f"{solution_file} was solved for another graph ({sol.model}, batch {sol.batch},"
+                f" {sol.dtype}; fingerprint {sol.fingerprint}, this model gives "
+                f"{graph.fingerprint}): solve again for this model"
+            )
+        self._graph = graph
+        self._schedule = build(graph, sol)
+        self._executor = Executor(graph, self._schedule)
+        n_tangents = self._schedule.n_tangents
+        leaves = graph.out_spec.num_leaves
+        self._diff_index = _diff_positions(graph, leaves, n_tangents)
+
+    @property
+    def batch(self) -> int:
+        return self.solution.batch
+
+    def forward(self, x: torch.Tensor):
+        if not (self.training and torch.is_grad_enabled()):
+            return self.model(x)
+        expected = (self.solution.batch, *self.input_shape)
+        if tuple(x.shape) != expected:
+            raise ScheduleMismatch(
+                f"input of shape {tuple(x.shape)} given to a schedule solved for {expected}"
+            )
+        if x.requires_grad:
+            raise UserError(
+                "this schedule computes parameter gradients only; an input that requires "
+                "grad is not supported yet"
+            )
+        params = list(self.model.parameters())
+        buffers = list(self.model.buffers())
+        tensors = _Replay.apply(self._executor, buffers, self._diff_index, x, *params)
+        leaves, k = [], 0
+        for name in self._schedule.outputs:
+            if name is None:
+                leaves.append(None)
+            else:
+                leaves.append(tensors[k])
+                k += 1
+        return tree_unflatten(leaves, self._graph.out_spec)
+
+
+def _diff_positions(graph, n_leaves: int, n_tangents: int) -> list[int]:
+    """Which output leaves take an incoming gradient (floating, produced with grad)."""
+    out_args = list(graph.fx.graph.output_node().args[0])[:n_leaves]
+    positions = [
+        i
+        for i, a in enumerate(out_args)
+        if isinstance(a, torch.fx.Node)
+        and isinstance(a.meta.get("val"), torch.Tensor)
+        and a.meta["val"].is_floating_point()
+    ]
+    if len(positions) != n_tangents:
+        raise SolutionFileError("cannot match the model's outputs to the schedule's gradients")
+    return positions
