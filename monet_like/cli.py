@@ -274,6 +274,11 @@ def cmd_solve(args) -> dict:
         ablation=args.ablation,
         verbose=args.verbose,
     )
+    # The solver's peak is a bound from its memory model; the schedule itself, run on
+    # fake tensors with each op's workspace, gives the exact prediction.
+    from monet_like.schedule import finalize
+
+    finalize(graph, sol, prof.workspace_by_op())
     out = args.output or os.path.join(
         args.output_dir, default_solution_name(spec.name, args.batch, args.mode, args.budget_gb)
     )
@@ -299,7 +304,7 @@ def cmd_solve(args) -> dict:
     fits = sol.predicted_peak_bytes <= budget
     print(
         f"  check: predicted peak {'<=' if fits else '>'} budget: {'ok' if fits else 'FAILED'}"
-        " (replaying the schedule to measure it is not built yet)"
+        " (the schedule simulated on fake tensors, workspace included)"
     )
     if not fits:  # the MILP promised otherwise: a bug, never a silent result
         raise RuntimeError("the solution's predicted peak exceeds the budget")
@@ -338,6 +343,126 @@ def solve_main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("solve.py: interrupted; no solution file written", file=sys.stderr)
         return 130
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def build_check_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="schedule.py", description="replay a solved schedule and check it")
+    p.add_argument("model", help='"torchvision.models.NAME(...)", unet, gpt, or pkg.module:factory')
+    p.add_argument("batch", type=positive_int, help="batch size")
+    p.add_argument("budget_gb", type=float, help="the budget the schedule was solved for (GB)")
+    p.add_argument("mode", help="the mode it was solved in")
+    p.add_argument("solver", help="the solver it was solved with")
+    p.add_argument("--solution_file", help="default: solutions/solution_<model>_...json")
+    p.add_argument("--input_shape", help="per-sample input shape without batch, e.g. 3,224,224")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default=None)
+    p.add_argument("--run_bs", action="store_true", help="one step: measured peak and time")
+    p.add_argument("--check_runtime", action="store_true", help="time vs eager, interleaved")
+    p.add_argument("--iterations", type=positive_int, default=5, help="for --check_runtime")
+    p.add_argument("--check_diff", action="store_true", help="outputs and gradients vs eager")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    return p
+
+
+def cmd_check(args) -> dict:
+    import copy
+    import statistics
+
+    from torch.utils._pytree import tree_flatten
+
+    from monet_like.graph import default_loss
+    from monet_like.memory import measure_training_step
+    from monet_like.models import make_input
+    from monet_like.solution import SolutionFileError
+    from monet_like.wrapper import ScheduleWrapper
+
+    spec, shape, dtype, device = _setup(args)
+    path = args.solution_file or os.path.join(
+        "solutions", default_solution_name(spec.name, args.batch, args.mode, args.budget_gb)
+    )
+    torch.manual_seed(0)
+    model = spec.build("cpu").to(device=device, dtype=dtype)
+    try:
+        wrapped = ScheduleWrapper(model, path, shape)
+    except SolutionFileError as exc:
+        raise UserError(str(exc)) from None
+    sol = wrapped.solution
+    if sol.batch != args.batch:
+        raise UserError(f"{path} was solved for batch {sol.batch}, not {args.batch}")
+    report = {
+        "solution_file": str(path),
+        "predicted_peak_bytes": sol.predicted_peak_bytes,
+        "budget_bytes": sol.budget_bytes,
+    }
+    print(f"{spec.expression} batch {args.batch}: schedule {path} ({sol.status}, {sol.mode})")
+    x = make_input(model, shape, args.batch, dtype, device)
+    if args.run_bs or not (args.check_runtime or args.check_diff):
+        t0 = time.perf_counter()
+        measured = measure_training_step(wrapped, x)
+        seconds = time.perf_counter() - t0
+        report.update(measured_peak_bytes=measured.peak_bytes, step_time_s=seconds)
+        ok = measured.peak_bytes <= sol.budget_bytes
+        print(
+            f"  one step: measured peak {measured.peak_bytes / GIB:.4f} GB ({measured.method}),"
+            f" predicted {sol.predicted_peak_bytes / GIB:.4f} GB, budget"
+            f" {sol.budget_bytes / GIB:.4f} GB: {'within budget' if ok else 'OVER BUDGET'};"
+            f" {seconds:.2f} s (with measurement)"
+        )
+    if args.check_diff:
+        eager = copy.deepcopy(model)
+        replayed = copy.deepcopy(model)
+        wrapped_copy = ScheduleWrapper(replayed, path, shape)
+        outs = []
+        for net in (eager, wrapped_copy):
+            torch.manual_seed(1)
+            out = net(x)
+            default_loss(out).backward()
+            outs.append(tree_flatten(out)[0])
+        abs_diff = rel_diff = out_diff = 0.0
+        for a, b in zip(*outs, strict=True):
+            out_diff = max(out_diff, (a - b).abs().max().item())
+        for p, q in zip(eager.parameters(), replayed.parameters(), strict=True):
+            if p.grad is None or q.grad is None:
+                continue
+            d = (p.grad - q.grad).abs().max().item()
+            abs_diff = max(abs_diff, d)
+            rel_diff = max(rel_diff, d / max(p.grad.abs().max().item(), 1e-30))
+        report.update(
+            max_abs_output_diff=out_diff, max_abs_grad_diff=abs_diff, max_rel_grad_diff=rel_diff
+        )
+        print(
+            f"  vs eager PyTorch: largest output difference {out_diff:.3g}, gradient"
+            f" {abs_diff:.3g} absolute, {rel_diff:.3g} relative"
+        )
+    if args.check_runtime:
+        times: dict[str, list[float]] = {"eager": [], "schedule": []}
+        for _ in range(args.iterations + 1):  # interleaved; the first pair warms up
+            for name, net in (("eager", model), ("schedule", wrapped)):
+                model.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                default_loss(net(x)).backward()
+                times[name].append(time.perf_counter() - t0)
+        eager_s = statistics.median(times["eager"][1:])
+        sched_s = statistics.median(times["schedule"][1:])
+        report.update(time_ratio=sched_s / eager_s, eager_step_s=eager_s, schedule_step_s=sched_s)
+        print(
+            f"  step time: schedule {sched_s:.3f} s, eager {eager_s:.3f} s, ratio"
+            f" {sched_s / eager_s:.3f} (median of {args.iterations}, interleaved)"
+        )
+    return report
+
+
+def check_main(argv: list[str] | None = None) -> int:
+    """Entry point of schedule.py."""
+    args = build_check_parser().parse_args(argv)
+    try:
+        report = cmd_check(args)
+    except UserError as exc:
+        print(f"schedule.py: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(report))
     return 0

@@ -8,9 +8,10 @@ more run under torch.profiler with memory recording gives each op's workspace
 times come from CUDA events and workspace from the allocator's peak statistics.
 
 On a slow device the profile may be taken at a smaller batch than the one solved
-for; times are then scaled linearly by the batch ratio, workspace is measured at
-a second batch and extrapolated per op as a + b * batch (a weight reorder does not
-grow with the batch), and the profile says so (`scaled`, `profile_batch`).
+for; times and workspace are then measured at a second batch too and extrapolated
+per op as a + b * batch (per-op overhead and a weight reorder do not grow with the
+batch), and the profile says so (`scaled`, `profile_batch`). Where no second batch
+fits (the batch is 1 or 2), times scale linearly.
 Profiles are cached on disk as JSON, keyed by graph fingerprint, profile batch,
 dtype, device and torch version.
 """
@@ -32,7 +33,7 @@ from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture
 from monet_like.memory import allocations_under, record_allocations
 
-PROFILE_FORMAT = 2
+PROFILE_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -223,15 +224,19 @@ def _workspace_cuda(runner: _OpRunner, args) -> tuple[list[int], str]:
     return workspace, "cuda allocator peak statistics"
 
 
-def _extrapolate(w1: list[int], b1: int, w2: list[int], b2: int, batch: int) -> list[int]:
+def _extrapolate_float(w1: list[float], b1: int, w2: list[float], b2: int, batch: int):
     """Per op, the line through (b1, w1) and (b2, w2) evaluated at `batch`; never negative,
     never below what was measured."""
     out = []
     for a, b in zip(w1, w2, strict=True):
         slope = max(0.0, (a - b) / (b1 - b2))
         intercept = max(0.0, a - slope * b1)
-        out.append(int(max(a, b, intercept + slope * batch)))
+        out.append(max(a, b, intercept + slope * batch))
     return out
+
+
+def _extrapolate(w1: list[int], b1: int, w2: list[int], b2: int, batch: int) -> list[int]:
+    return [int(w) for w in _extrapolate_float(w1, b1, w2, b2, batch)]
 
 
 def _real_args(model: nn.Module, graph: Graph, device: torch.device, dtype: torch.dtype):
@@ -331,6 +336,7 @@ def profile(
     )
     try:
         times = _median_times(runner, args_fn, repeats, bar.update)
+        time_fit = False
         workspace, method = workspace_at(small)
         bar.update(1)
         if scaled:
@@ -338,9 +344,19 @@ def profile(
             # measure at a second batch and extrapolate each op's a + b * batch.
             other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
             if other_batch != profile_batch:
-                other, _ = workspace_at(graph_at(other_batch))
+                other_graph = graph_at(other_batch)
+                other, _ = workspace_at(other_graph)
                 workspace = _extrapolate(workspace, profile_batch, other, other_batch, graph.batch)
                 method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
+                # Times too: a small batch is dominated by per-op overhead, which a
+                # linear scaling would multiply along with the real work.
+                other_runner = _OpRunner(other_graph, device)
+                other_args = _real_args(model, other_graph, device, dtype)
+                other_times = _median_times(other_runner, other_args, repeats, lambda _n: None)
+                times = _extrapolate_float(
+                    times, profile_batch, other_times, other_batch, graph.batch
+                )
+                time_fit = True
             bar.update(1)
     except (RuntimeError, NotImplementedError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -350,7 +366,7 @@ def profile(
     finally:
         bar.close()
 
-    scale = graph.batch / profile_batch
+    scale = 1.0 if time_fit or not scaled else graph.batch / profile_batch
     ops = graph.ops
     nodes = []
     for n in graph.nodes:

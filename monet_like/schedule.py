@@ -131,9 +131,9 @@ def build(graph: Graph, solution: Solution) -> Schedule:
     for g in grads:
         if g is not None:
             last[(g, latest[g])] = never
-    for o in outputs:  # the user holds the outputs; our reference goes once backward starts
+    for o in outputs:  # handed to the user at the end of the forward pass
         if o is not None:
-            last[(o, ORIGINAL)] = max(last.get((o, ORIGINAL), 0), n_forward)
+            last[(o, ORIGINAL)] = max(last.get((o, ORIGINAL), 0), n_forward - 1)
     free_after: list[list[tuple[str, int]]] = [[] for _ in steps]
     for key, k in last.items():
         if key[0] not in placeholders and k < never:
@@ -162,6 +162,7 @@ class Executor:
     def __init__(self, graph: Graph, schedule: Schedule) -> None:
         self.schedule = schedule
         self.fx_nodes = {n.name: n for n in graph.fx.graph.nodes}
+        self.on_step = None  # called after each step with its index (simulation hooks in)
         first = schedule.n_params
         self.buffer_names = set(schedule.placeholders[first : first + schedule.n_buffers])
 
@@ -197,11 +198,18 @@ class Executor:
             for a, src in zip(args, node.args, strict=False)
         ) + tuple(args[len(node.args) :])
 
-    def run(self, env: dict, start: int, stop: int) -> None:
+    def run(self, env: dict, start: int, stop: int, handed_out: dict | None = None) -> None:
+        """Run steps [start, stop). Values in `handed_out` are stored there before our
+        own reference to them is dropped (the model's outputs go to the user)."""
         for k in range(start, stop):
             self._run_step(self.schedule.steps[k], env)
+            if self.on_step is not None:
+                self.on_step(k)
             for key in self.schedule.free_after[k]:
-                env.pop(key, None)
+                if handed_out is not None and key in handed_out:
+                    handed_out[key] = env.pop(key, None)
+                else:
+                    env.pop(key, None)  # bind nothing: a local would keep it alive a step
 
     def forward(self, params, buffers, x) -> tuple[dict, list]:
         """Run the forward steps; return what the backward pass needs, and the outputs."""
@@ -209,8 +217,11 @@ class Executor:
         env: dict = {}
         for name, v in zip(s.placeholders, [*params, *buffers, x], strict=False):
             env[(name, ORIGINAL)] = v
-        self.run(env, 0, s.n_forward)
-        outputs = [env.get((o, ORIGINAL)) if o else None for o in s.outputs]
+        handed_out = {(o, ORIGINAL): None for o in s.outputs if o}
+        self.run(env, 0, s.n_forward, handed_out)
+        outputs = [
+            env.get((o, ORIGINAL), handed_out.get((o, ORIGINAL))) if o else None for o in s.outputs
+        ]
         return env, outputs
 
     def backward(self, env: dict, tangents: list[torch.Tensor]) -> list:
@@ -226,3 +237,50 @@ class Executor:
             grads.append(next((v for k, v in env.items() if k[0] == g), None))
         env.clear()
         return grads
+
+
+def simulate(graph: Graph, schedule: Schedule, workspace: dict[int, int] | None = None) -> int:
+    """Peak bytes of one scheduled training step, run on fake tensors (nothing allocated).
+
+    Every storage is counted once while alive, and each op's profiled workspace is
+    added while it runs: the prediction a real step is measured against.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from monet_like.memory import LiveStorageTracker
+
+    workspace = workspace or {}
+    op_index = {op.name: op.index for op in graph.ops}
+    metas = [n.meta["val"] for n in graph.fx.graph.nodes if n.op == "placeholder"]
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        values = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype) for m in metas]
+        tangent_metas = metas[len(metas) - schedule.n_tangents :]
+        tangents = [torch.ones((), dtype=m.dtype).expand(m.shape) for m in tangent_metas]
+    p, b = schedule.n_params, schedule.n_buffers
+    params, buffers, x = values[:p], values[p : p + b], values[p + b]
+    executor = Executor(graph, schedule)
+    tracker = LiveStorageTracker([*params, *buffers, x, *tangents])
+    peak = tracker.current
+
+    def on_step(k: int) -> None:
+        nonlocal peak
+        extra = workspace.get(op_index.get(schedule.steps[k].node, -1), 0)
+        peak = max(peak, tracker.peak, tracker.current + extra)
+
+    executor.on_step = on_step
+    with fake_mode, tracker:
+        env, outputs = executor.forward(params, buffers, x)
+        del outputs  # the user's loss is computed from them; eager frees them before backward
+        executor.backward(env, tangents)
+    return max(peak, tracker.peak)
+
+
+def finalize(graph: Graph, solution: Solution, workspace: dict[int, int] | None = None) -> int:
+    """Set the solution's predicted peak to its simulated schedule's; keep the MILP's
+    bound beside it. Returns the simulated peak."""
+    simulated = simulate(graph, build(graph, solution), workspace)
+    solution.extra["milp_peak_bound_bytes"] = solution.predicted_peak_bytes
+    solution.predicted_peak_bytes = simulated
+    solution.predicted_peak_at = "simulated schedule"
+    return simulated

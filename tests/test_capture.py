@@ -19,8 +19,14 @@ def test_capture_every_torchvision_classifier(name):
     assert graph.param_bytes == 4 * n_params
     assert graph.grad_bytes == 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert store_all_peak(graph) > fixed_bytes(graph).total
-    # Backward compute ops are attributed to the forward node they differentiate.
-    backward = [o for o in graph.ops if o.phase == BACKWARD and o.role != "view"]
+    # Backward compute ops are attributed to the forward node they differentiate; the
+    # adds autograd uses to sum the gradients of a value with several readers are no
+    # node's backward.
+    backward = [
+        o
+        for o in graph.ops
+        if o.phase == BACKWARD and o.role != "view" and o.target != "aten.add.Tensor"
+    ]
     attributed = [o for o in backward if o.node is not None]
     assert len(attributed) >= 0.95 * len(backward)
     assert all(o.index in graph.nodes[o.node].backward_ops for o in attributed)

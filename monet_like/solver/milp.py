@@ -106,9 +106,10 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
             s_index[t, u] = col
             col += 1
     n_bool = col
-    # continuous: y_k (forward kept bytes of units already consumed), z_t (kept, pinned)
-    y0, z0 = 0, n_u
-    n_cont = n_u + n_t
+    # continuous: y_k (forward kept bytes of units already consumed), z_t (kept, pinned),
+    # w_t (largest workspace among the units recomputed before stage t)
+    y0, z0, w0 = 0, n_u, n_u + n_t
+    n_cont = n_u + 2 * n_t
 
     rows_b: list[tuple[int, int, float]] = []
     rows_c: list[tuple[int, int, float]] = []
@@ -175,6 +176,17 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
             terms += [(j, m[u] * a) for j, a in present(t, u)]
             terms.append((keep[u], -m[u]))
         row(terms, [(z0 + t, 1.0)], 0.0, budget_const_mib=const + stage.grad_bytes / MIB)
+        # ... and while recomputing before the stage: what the stage starts with, plus
+        # the workspace of the unit being recomputed (w_t bounds it).
+        row(
+            terms,
+            [(z0 + t, 1.0), (w0 + t, 1.0)],
+            0.0,
+            budget_const_mib=const + stage.start_bytes / MIB,
+        )
+        for u in c:
+            if (t, u) in r_index and units[u].workspace_bytes:
+                row([(r_index[t, u], units[u].workspace_bytes / MIB)], [(w0 + t, -1.0)], 0.0)
         for u in stage.need:
             row([(j, -a) for j, a in present(t, u)], [], -1.0)  # P >= 1
         for u in c:
@@ -380,7 +392,11 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
             peak, where = live, f"forward unit {k}"
     for t, stage in enumerate(p.stages):
         cset = set(f.cand[t])
-        live = p.constant_bytes + stage.grad_bytes
+        recompute_ws = max(
+            (units[u].workspace_bytes for (s, u), j in f.r_index.items() if s == t and x_bool[j]),
+            default=0,
+        )
+        live = p.constant_bytes + max(stage.grad_bytes, stage.start_bytes + recompute_ws)
         for u in range(len(units)):
             if u in cset:
                 present = x_bool[f.s_index[t, u]] + (

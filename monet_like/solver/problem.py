@@ -41,6 +41,7 @@ class Stage:
     ops: tuple[int, ...]
     need: tuple[int, ...]
     grad_bytes: int  # backward-only bytes alive at the stage's worst op, workspace included
+    start_bytes: int = 0  # backward-only bytes alive when the stage starts (recomputation)
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,10 @@ def build_problem(graph: Graph, profile, workspace: dict[int, int] | None = None
             diff[op.index] += storages[s].nbytes
             diff[end] -= storages[s].nbytes
     running = 0
+    other_no_ws = [0] * len(ops)
     for i in range(len(ops)):
         running += diff[i]
+        other_no_ws[i] = running
         other_live[i] = running + workspace.get(i, 0)
 
     forward_extra = [0] * n_units
@@ -151,6 +154,7 @@ def build_problem(graph: Graph, profile, workspace: dict[int, int] | None = None
                 ops=tuple(current),
                 need=tuple(need),
                 grad_bytes=max(other_live[i] for i in current),
+                start_bytes=other_no_ws[current[0] - 1] if current[0] > 0 else 0,
             )
         )
 

@@ -1,0 +1,152 @@
+"""ScheduleWrapper: replayed steps equal eager PyTorch and stay inside the prediction."""
+
+import copy
+import json
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+from monet_like.errors import UserError
+from monet_like.graph import capture, default_loss
+from monet_like.memory import measure_allocator, measure_training_step, state_tensors
+from monet_like.models import make_input, parse_model
+from monet_like.profile import profile
+from monet_like.schedule import finalize
+from monet_like.solution import SolutionFileError
+from monet_like.solver import DEFAULT_DEPTH, min_feasible_budget, solve
+from monet_like.solver.problem import build_problem
+from monet_like.wrapper import ScheduleMismatch, ScheduleWrapper
+
+# (expression, input shape, batch, recomputation depth of the compact formulation).
+# DenseNet's dense connectivity gives every stage hundreds of ancestors within 16
+# steps (75k binaries): depth 2 keeps its test at seconds.
+MODELS = [
+    ("torchvision.models.resnet18()", (3, 64, 64), 16, DEFAULT_DEPTH),
+    ("torchvision.models.mobilenet_v2()", (3, 64, 64), 8, DEFAULT_DEPTH),
+    ("torchvision.models.googlenet()", (3, 64, 64), 4, DEFAULT_DEPTH),
+    ("torchvision.models.densenet121()", (3, 32, 32), 4, 2),
+    ("unet(base=8)", (3, 64, 64), 4, DEFAULT_DEPTH),
+    ("gpt(depth=2, dim=64)", (64,), 8, DEFAULT_DEPTH),
+]
+
+
+def solved(expression, shape, batch, fractions, tmp_path, depth=DEFAULT_DEPTH):
+    """Yield (budget, solution file, model) for budgets spread over the feasible range:
+    1.0 is the store-all peak, 0.0 the smallest feasible budget."""
+    torch.manual_seed(0)
+    model = parse_model(expression).build()
+    graph = capture(model, shape, batch, model_name=expression)
+    prof = profile(model, graph, repeats=1, progress=False)
+    problem = build_problem(graph, prof)
+    low = min_feasible_budget(problem, depth, False, "HIGHS")
+    for fraction in fractions:
+        budget = int(low + fraction * (problem.store_all_peak_bytes - low))
+        sol = solve(graph, prof, budget, solver="HIGHS", time_limit=120, depth=depth)
+        bound = sol.predicted_peak_bytes
+        finalize(graph, sol, prof.workspace_by_op())
+        assert sol.predicted_peak_bytes <= bound <= budget
+        path = sol.save(tmp_path / f"{fraction}.json")
+        yield budget, path, model, sol
+
+
+def eager_and_replayed(model, path, shape, batch):
+    eager, replayed = copy.deepcopy(model), copy.deepcopy(model)
+    wrapped = ScheduleWrapper(replayed, path, shape)
+    x = make_input(model, shape, batch, torch.float32)
+    torch.manual_seed(1)
+    out_e = eager(x)
+    default_loss(out_e).backward()
+    torch.manual_seed(1)
+    out_r = wrapped(x)
+    default_loss(out_r).backward()
+    return eager, replayed, wrapped, x, out_e, out_r
+
+
+@pytest.mark.parametrize("expression, shape, batch, depth", MODELS)
+def test_replay_equals_eager_and_fits_the_prediction(expression, shape, batch, depth, tmp_path):
+    budgets = solved(expression, shape, batch, (1.0, 0.5, 0.0), tmp_path, depth)
+    for budget, path, model, sol in budgets:
+        eager, replayed, wrapped, x, out_e, out_r = eager_and_replayed(model, path, shape, batch)
+        # Same aten ops on the same inputs: bitwise equal, recomputation included.
+        for a, b in zip(tree_flatten(out_e)[0], tree_flatten(out_r)[0], strict=True):
+            assert torch.equal(a, b)
+        for (name, p), q in zip(eager.named_parameters(), replayed.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+            assert p.grad is None or torch.equal(p.grad, q.grad), name
+        # Running statistics updated once, not again by recomputation.
+        for (name, b1), b2 in zip(eager.named_buffers(), replayed.buffers(), strict=True):
+            assert torch.equal(b1, b2), name
+
+        replayed.zero_grad(set_to_none=True)
+        live = measure_training_step(wrapped, x).peak_bytes
+        allocator = measure_allocator(
+            lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(replayed), x]
+        )
+        assert live <= sol.predicted_peak_bytes * 1.02 and live <= budget
+        assert allocator <= sol.predicted_peak_bytes * 1.02
+        assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
+
+
+@pytest.fixture(scope="module")
+def resnet_solution(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sol")
+    budget, path, model, sol = next(
+        solved("torchvision.models.resnet18()", (3, 64, 64), 16, (0.3,), tmp)
+    )
+    return path, model, sol
+
+
+def test_wrapper_shares_parameters_and_modes(resnet_solution):
+    path, model, sol = resnet_solution
+    wrapped = ScheduleWrapper(model, path, (3, 64, 64))
+    assert [id(p) for p in wrapped.parameters()] == [id(p) for p in model.parameters()]
+    assert wrapped.state_dict().keys() == {f"model.{k}" for k in model.state_dict()}
+    x = make_input(model, (3, 64, 64), 16, torch.float32)
+    wrapped.eval()
+    with torch.no_grad():
+        assert torch.equal(wrapped(x), model(x))  # eval: the model's own forward
+    wrapped.train()
+    with torch.no_grad():
+        before = model.bn1.num_batches_tracked.clone()
+        wrapped(torch.randn(3, 3, 64, 64))  # no_grad: plain forward, any batch
+        assert model.bn1.num_batches_tracked == before + 1
+
+
+def test_refusals(resnet_solution, tmp_path):
+    path, model, sol = resnet_solution
+    with pytest.raises(ScheduleMismatch, match="input shape"):
+        ScheduleWrapper(model, path, (3, 32, 32))
+    other = parse_model("torchvision.models.resnet34()").build()
+    with pytest.raises(ScheduleMismatch, match="another graph"):
+        ScheduleWrapper(other, path, (3, 64, 64))
+    wrapped = ScheduleWrapper(model, path, (3, 64, 64))
+    with pytest.raises(ScheduleMismatch, match="solved for"):
+        wrapped(torch.randn(8, 3, 64, 64))
+    with pytest.raises(UserError, match="input that requires grad"):
+        wrapped(torch.randn(16, 3, 64, 64, requires_grad=True))
+    text = path.read_text()
+    (tmp_path / "cut.json").write_text(text[:100])
+    with pytest.raises(SolutionFileError, match="truncated"):
+        ScheduleWrapper(model, tmp_path / "cut.json", (3, 64, 64))
+    newer = json.loads(text)
+    newer["format_version"] += 1
+    (tmp_path / "newer.json").write_text(json.dumps(newer))
+    with pytest.raises(SolutionFileError, match="newer"):
+        ScheduleWrapper(model, tmp_path / "newer.json", (3, 64, 64))
+
+
+def test_training_steps_match_eager_over_several_iterations(resnet_solution):
+    path, model, sol = resnet_solution
+    eager, replayed = copy.deepcopy(model), copy.deepcopy(model)
+    wrapped = ScheduleWrapper(replayed, path, (3, 64, 64))
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    opt_r = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x = torch.randn(16, 3, 64, 64, generator=torch.Generator().manual_seed(step))
+        for net, opt in ((eager, opt_e), (wrapped, opt_r)):
+            opt.zero_grad()
+            net(x).logsumexp(1).mean().backward()  # any loss, not only the sum
+            opt.step()
+    for p, q in zip(eager.parameters(), replayed.parameters(), strict=True):
+        assert torch.equal(p, q)
