@@ -50,7 +50,11 @@ def brute_force(f, budget_bytes):
     ab, ac = f.a_bool.toarray(), f.a_cont.toarray()
     eq, le = f.is_eq, ~f.is_eq
     xs = np.array(list(itertools.product([0, 1], repeat=f.n_bool)), dtype=float).T
-    ys = np.linalg.solve(ac[eq], rhs[eq][:, None] - ab[eq] @ xs)  # running sums: determined
+    # The running sums y, z are fixed by the equalities; w (recompute workspace) is only
+    # bounded below, by zero here since toy units have no workspace.
+    n_sums = int(eq.sum())
+    sums = np.linalg.solve(ac[eq][:, :n_sums], rhs[eq][:, None] - ab[eq] @ xs)
+    ys = np.vstack([sums, np.zeros((f.n_cont - n_sums, xs.shape[1]))])
     ok = np.all(ab[le] @ xs + ac[le] @ ys <= rhs[le][:, None] + 1e-9, axis=0)
     if not ok.any():
         return None
