@@ -319,33 +319,7 @@ def cmd_solve(args) -> dict:
 
 def solve_main(argv: list[str] | None = None) -> int:
     """Entry point of solve.py: MONeT's argument order."""
-    from monet_like.solver import InfeasibleBudget
-
-    args = build_solve_parser().parse_args(argv)
-    try:
-        report = cmd_solve(args)
-    except InfeasibleBudget as exc:
-        print(f"solve.py: error: {exc}", file=sys.stderr)
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "status": "infeasible",
-                        "min_feasible_budget_bytes": exc.min_budget_bytes,
-                        "fixed_bytes": exc.fixed_bytes,
-                    }
-                )
-            )
-        return 2
-    except UserError as exc:
-        print(f"solve.py: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("solve.py: interrupted; no solution file written", file=sys.stderr)
-        return 130
-    if args.json:
-        print(json.dumps(report))
-    return 0
+    return _run("solve.py", build_solve_parser().parse_args(argv), cmd_solve)
 
 
 def build_check_parser() -> argparse.ArgumentParser:
@@ -457,26 +431,39 @@ def cmd_check(args) -> dict:
 
 def check_main(argv: list[str] | None = None) -> int:
     """Entry point of schedule.py."""
-    args = build_check_parser().parse_args(argv)
-    try:
-        report = cmd_check(args)
-    except UserError as exc:
-        print(f"schedule.py: error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(report))
-    return 0
+    return _run("schedule.py", build_check_parser().parse_args(argv), cmd_check)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return _run("monet_like", args, {"profile": cmd_profile, "memory": cmd_memory}[args.command])
+
+
+def _run(prog: str, args, command) -> int:
+    """Run a command: one line on stderr and exit 2 for the user's errors, the JSON
+    report as the last line of stdout with --json."""
+    from monet_like.solver import InfeasibleBudget
+
     try:
-        report = {"profile": cmd_profile, "memory": cmd_memory}[args.command](args)
+        report = command(args)
+    except InfeasibleBudget as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "status": "infeasible",
+                        "min_feasible_budget_bytes": exc.min_budget_bytes,
+                        "fixed_bytes": exc.fixed_bytes,
+                    }
+                )
+            )
+        return 2
     except UserError as exc:
-        print(f"monet_like: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("monet_like: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted; nothing written", file=sys.stderr)
         return 130
     if args.json:
         print(json.dumps(report))

@@ -292,6 +292,14 @@ def _record_module_paths(model: nn.Module) -> list:
     return handles
 
 
+def fake_like(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor shaped like `t` (floating ones cast to `dtype`), keeping its
+    requires_grad; under a FakeTensorMode it allocates nothing."""
+    dt = dtype if t.is_floating_point() else t.dtype
+    f = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
+    return f.requires_grad_(t.requires_grad)
+
+
 def capture(
     model: nn.Module,
     input_shape: tuple[int, ...],
@@ -316,18 +324,13 @@ def capture(
         raise UserError(f"dtype {dtype} is not a floating-point type; a model cannot train in it")
     device = torch.device(device)
 
-    def fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-        dt = dtype if t.is_floating_point() else t.dtype
-        f = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
-        return f.requires_grad_(requires_grad)
-
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     was_training = model.training
     model.train()
     try:
         with fake_mode:
-            params = [fake_like(p, p.requires_grad) for p in model.parameters()]
-            buffers = [fake_like(b, False) for b in model.buffers()]
+            params = [fake_like(p, dtype, device) for p in model.parameters()]
+            buffers = [fake_like(b, dtype, device) for b in model.buffers()]
             in_dtype = input_dtype(model, dtype)
             x = torch.empty((batch, *input_shape), dtype=in_dtype, device=device)
         try:

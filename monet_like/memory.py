@@ -29,7 +29,17 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from monet_like.graph import ACTIVATION, BUFFER, GRADIENT, INPUT, PARAM, SEED, Graph, default_loss
+from monet_like.graph import (
+    ACTIVATION,
+    BUFFER,
+    GRADIENT,
+    INPUT,
+    PARAM,
+    SEED,
+    Graph,
+    default_loss,
+    fake_like,
+)
 
 
 @dataclass(frozen=True)
@@ -288,14 +298,8 @@ def simulate(
     model.train()
     try:
         with fake_mode:
-
-            def fake(t: torch.Tensor) -> torch.Tensor:
-                dt = dtype if t.is_floating_point() else t.dtype
-                f = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
-                return f.requires_grad_(t.requires_grad)
-
-            state = {n: fake(p) for n, p in model.named_parameters()}
-            state.update({n: fake(b) for n, b in model.named_buffers()})
+            state = {n: fake_like(p, dtype, device) for n, p in model.named_parameters()}
+            state.update({n: fake_like(b, dtype, device) for n, b in model.named_buffers()})
             x = torch.empty((batch, *input_shape), dtype=input_dtype(model, dtype), device=device)
 
         def step() -> None:
