@@ -177,6 +177,17 @@ def solve(
 
     x = raw.x_bool
     peak = evaluate(f, x)
+    if peak["peak_bytes"] > budget_bytes + 1024:  # beyond the solver's own tolerance
+        if raw.status == "optimal":
+            raise RuntimeError(
+                f"{solver} returned a schedule of {peak['peak_bytes']} bytes for a budget of "
+                f"{budget_bytes}: a bug in the formulation or the solver"
+            )
+        raise UserError(
+            f"{solver} stopped at the time limit without a schedule that fits "
+            f"{budget_bytes / GIB:.3f} GB (its best one needs {peak['peak_bytes'] / GIB:.3f} GB):"
+            " give it more time (--time_limit) or use HIGHS"
+        )
     stages = []
     for t, s in enumerate(problem.stages):
         rec = [u for u in f.cand[t] if (t, u) in f.r_index and x[f.r_index[t, u]]]

@@ -1,0 +1,131 @@
+"""Replayed schedules on this CPU: measured peak, predicted peak, time against eager.
+
+For each model at a size this CPU steps through in seconds, at budgets from the
+store-all peak down to the smallest feasible one: solve (HiGHS, mode normal),
+replay with ScheduleWrapper, and measure one step's peak (the CPU allocator's own
+events, so workspace counts) and its time against eager PyTorch (interleaved,
+median). Writes a CSV and a PNG of memory against overhead.
+
+    python scripts/bench_schedule.py [--models resnet50,...] [--points 5] [--iterations 5]
+"""
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+import pandas as pd
+import torch
+
+from monet_like.graph import capture, default_loss
+from monet_like.memory import measure_allocator, state_tensors
+from monet_like.models import make_input, parse_model
+from monet_like.profile import profile
+from monet_like.schedule import finalize
+from monet_like.solver import DEFAULT_DEPTH, min_feasible_budget, solve
+from monet_like.solver.problem import build_problem
+from monet_like.wrapper import ScheduleWrapper
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+MIB = 2**20
+MODELS = {
+    "resnet50": ("torchvision.models.resnet50()", (3, 64, 64), 16),
+    "googlenet": ("torchvision.models.googlenet()", (3, 64, 64), 16),
+    "mobilenet_v2": ("torchvision.models.mobilenet_v2()", (3, 64, 64), 32),
+    "vgg16": ("torchvision.models.vgg16()", (3, 32, 32), 16),
+    "unet": ("unet(base=16)", (3, 128, 128), 4),
+}
+
+
+def step_time(net, x, params_of) -> float:
+    params_of.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    default_loss(net(x)).backward()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--points", type=int, default=4, help="budgets per model")
+    ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--out", default="out")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    print(
+        f"{'model':12s} {'budget':>9s} {'predicted':>9s} {'measured':>9s} {'recomp':>6s}"
+        f" {'ratio':>6s}  (MiB; ratio = schedule step time / eager step time)"
+    )
+    for name in args.models.split(","):
+        expression, shape, batch = MODELS[name]
+        torch.manual_seed(0)
+        model = parse_model(expression).build()
+        graph = capture(model, shape, batch, model_name=expression)
+        prof = profile(model, graph, progress=False)
+        problem = build_problem(graph, prof)
+        low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+        x = make_input(model, shape, batch, torch.float32)
+        for k in range(args.points):
+            fraction = 1 - k / max(1, args.points - 1)
+            budget = int(low + fraction * (problem.store_all_peak_bytes - low))
+            sol = solve(graph, prof, budget, solver="HIGHS", time_limit=300)
+            finalize(graph, sol, prof.workspace_by_op())
+            path = sol.save(os.path.join(args.out, f"bench_schedule_{name}_{k}.json"))
+            wrapped = ScheduleWrapper(model, path, shape)
+            model.zero_grad(set_to_none=True)
+            measured = measure_allocator(
+                lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(model), x]
+            )
+            times = {"eager": [], "schedule": []}
+            for _ in range(args.iterations + 1):
+                times["eager"].append(step_time(model, x, model))
+                times["schedule"].append(step_time(wrapped, x, model))
+            ratio = statistics.median(times["schedule"][1:]) / statistics.median(times["eager"][1:])
+            recomputed = sum(len(s["recompute"]) for s in sol.stages)
+            rows.append(
+                dict(
+                    model=name,
+                    budget_mib=budget / MIB,
+                    predicted_mib=sol.predicted_peak_bytes / MIB,
+                    measured_mib=measured / MIB,
+                    store_all_mib=problem.store_all_peak_bytes / MIB,
+                    recomputations=recomputed,
+                    predicted_overhead=sol.overhead,
+                    time_ratio=ratio,
+                )
+            )
+            print(
+                f"{name:12s} {budget / MIB:9.1f} {sol.predicted_peak_bytes / MIB:9.1f}"
+                f" {measured / MIB:9.1f} {recomputed:6d} {ratio:6.3f}",
+                flush=True,
+            )
+    df = pd.DataFrame(rows)
+    df.to_csv(os.path.join(args.out, "bench_schedule.csv"), index=False)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, g in df.groupby("model"):
+        ax.plot(
+            100 * g["measured_mib"] / g["store_all_mib"],
+            100 * (g["time_ratio"] - 1),
+            marker="o",
+            label=name,
+        )
+    ax.set_xlabel("measured peak, % of the store-all peak")
+    ax.set_ylabel("measured overhead vs eager (%)")
+    ax.invert_xaxis()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = os.path.join(args.out, "bench_schedule.png")
+    fig.savefig(png, dpi=120)
+    print(f"wrote {os.path.join(args.out, 'bench_schedule.csv')} and {png}")
+
+
+if __name__ == "__main__":
+    main()
