@@ -13,7 +13,6 @@ from __future__ import annotations
 from monet_like.errors import UserError
 from monet_like.solution import Solution
 from monet_like.solver.milp import (
-    MS,
     check_solver,
     evaluate,
     formulate,
@@ -210,7 +209,6 @@ def solve(
         keep=[bool(x[f.keep[u.id]]) for u in problem.units],
         units=[list(u.nodes) for u in problem.units],
         stages=stages,
-        extra={"recompute_ms_cost_scale": MS},
     )
 
 
