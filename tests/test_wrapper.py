@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
+from monet_like import ScheduleWrapper
 from monet_like.errors import UserError
 from monet_like.graph import capture, default_loss
 from monet_like.memory import measure_allocator, measure_training_step, state_tensors
@@ -16,7 +17,7 @@ from monet_like.schedule import finalize
 from monet_like.solution import SolutionFileError
 from monet_like.solver import DEFAULT_DEPTH, min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
-from monet_like.wrapper import ScheduleMismatch, ScheduleWrapper
+from monet_like.wrapper import ScheduleMismatch
 
 # (expression, input shape, batch, recomputation depth of the compact formulation).
 # DenseNet's dense connectivity gives every stage hundreds of ancestors within 16
