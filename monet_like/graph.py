@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -115,6 +114,8 @@ class Graph:
     # pytree spec of the model's outputs: not part of the value.
     fx: Any = field(default=None, repr=False, compare=False)
     out_spec: Any = field(default=None, repr=False, compare=False)
+    # Which output leaves take an incoming gradient (one tangent placeholder each).
+    diff_outputs: list[int] = field(default_factory=list, repr=False, compare=False)
 
     # -- derived facts ------------------------------------------------------------
     def bytes_of(self, kind: str) -> int:
@@ -143,8 +144,8 @@ class Graph:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.pop("fx")
-        d.pop("out_spec")
+        for key in ("fx", "out_spec", "diff_outputs"):
+            d.pop(key)
         return d
 
     def summary(self) -> str:
@@ -292,6 +293,15 @@ def _record_module_paths(model: nn.Module) -> list:
     return handles
 
 
+def tangents_for(graph: Graph, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """The incoming gradients a sum loss gives each differentiable output: a scalar one
+    expanded to its shape (what the capture traced with). Under a FakeTensorMode,
+    fake ones."""
+    placeholders = [n for n in graph.fx.graph.nodes if n.op == "placeholder"]
+    metas = [p.meta["val"] for p in placeholders[len(placeholders) - len(graph.diff_outputs) :]]
+    return [torch.ones((), dtype=m.dtype, device=device).expand(m.shape) for m in metas]
+
+
 def fake_like(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An empty tensor shaped like `t` (floating ones cast to `dtype`), keeping its
     requires_grad; under a FakeTensorMode it allocates nothing."""
@@ -436,6 +446,7 @@ def capture(
         nodes=nodes,
         fx=gm,
         out_spec=out_spec,
+        diff_outputs=list(diff_outputs),
     )
     graph.fingerprint = _fingerprint(storages, ops)
     return graph
@@ -532,7 +543,3 @@ def _coarsen(
             )
         )
     return nodes, new_ops
-
-
-def graph_json(graph: Graph) -> str:
-    return json.dumps(graph.to_dict())

@@ -30,7 +30,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from monet_like.graph import (
-    ACTIVATION,
     BUFFER,
     GRADIENT,
     INPUT,
@@ -109,17 +108,6 @@ def store_all_timeline(graph: Graph, workspace: dict[int, int] | None = None) ->
 def store_all_peak(graph: Graph, workspace: dict[int, int] | None = None) -> int:
     """Predicted peak bytes of one eager training step (everything stored)."""
     return store_all_timeline(graph, workspace).peak_bytes
-
-
-def activation_bytes(graph: Graph) -> int:
-    """Bytes of every storage the forward pass allocates (an upper bound on what is saved)."""
-    return sum(
-        graph.storages[s].nbytes
-        for op in graph.ops
-        if op.phase == "forward"
-        for s in op.allocates
-        if graph.storages[s].kind == ACTIVATION
-    )
 
 
 # -- live-storage tracking ------------------------------------------------------------

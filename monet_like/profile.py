@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from monet_like.errors import UserError
-from monet_like.graph import BACKWARD, FORWARD, Graph, capture
+from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocations_under, record_allocations
 
 PROFILE_FORMAT = 3
@@ -257,14 +257,6 @@ def _real_args(model: nn.Module, graph: Graph, device: torch.device, dtype: torc
         return [*params, *[prep(b).clone() for b in model.buffers()], x, *tangents]
 
     return fresh
-
-
-def tangents_for(graph: Graph, device: torch.device) -> list[torch.Tensor]:
-    """The incoming gradients of a sum loss: a scalar one expanded to each output."""
-    placeholders = [n for n in graph.fx.graph.nodes if n.op == "placeholder"]
-    n_tangents = sum(s.kind == "seed" for s in graph.storages)
-    metas = [p.meta["val"] for p in placeholders[len(placeholders) - n_tangents :]]
-    return [torch.ones((), dtype=m.dtype, device=device).expand(m.shape) for m in metas]
 
 
 def profile(

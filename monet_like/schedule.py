@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from monet_like.graph import BACKWARD, FORWARD, Graph
+from monet_like.graph import BACKWARD, FORWARD, Graph, tangents_for
 from monet_like.solution import Solution
 
 ORIGINAL = -1  # version of a value computed in the forward pass
@@ -255,8 +255,7 @@ def simulate(graph: Graph, schedule: Schedule, workspace: dict[int, int] | None 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         values = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype) for m in metas]
-        tangent_metas = metas[len(metas) - schedule.n_tangents :]
-        tangents = [torch.ones((), dtype=m.dtype).expand(m.shape) for m in tangent_metas]
+        tangents = tangents_for(graph)
     p, b = schedule.n_params, schedule.n_buffers
     params, buffers, x = values[:p], values[p : p + b], values[p + b]
     executor = Executor(graph, schedule)

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_unflatten
 from monet_like.errors import UserError
 from monet_like.graph import capture
 from monet_like.schedule import Executor, build
-from monet_like.solution import SolutionFileError, load
+from monet_like.solution import load
 
 
 class ScheduleMismatch(UserError):
@@ -82,9 +82,7 @@ class ScheduleWrapper(nn.Module):
         self._graph = graph
         self._schedule = build(graph, sol)
         self._executor = Executor(graph, self._schedule)
-        n_tangents = self._schedule.n_tangents
-        leaves = graph.out_spec.num_leaves
-        self._diff_index = _diff_positions(graph, leaves, n_tangents)
+        self._diff_index = graph.diff_outputs
 
     @property
     def batch(self) -> int:
@@ -114,18 +112,3 @@ class ScheduleWrapper(nn.Module):
                 leaves.append(tensors[k])
                 k += 1
         return tree_unflatten(leaves, self._graph.out_spec)
-
-
-def _diff_positions(graph, n_leaves: int, n_tangents: int) -> list[int]:
-    """Which output leaves take an incoming gradient (floating, produced with grad)."""
-    out_args = list(graph.fx.graph.output_node().args[0])[:n_leaves]
-    positions = [
-        i
-        for i, a in enumerate(out_args)
-        if isinstance(a, torch.fx.Node)
-        and isinstance(a.meta.get("val"), torch.Tensor)
-        and a.meta["val"].is_floating_point()
-    ]
-    if len(positions) != n_tangents:
-        raise SolutionFileError("cannot match the model's outputs to the schedule's gradients")
-    return positions

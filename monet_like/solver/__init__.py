@@ -83,28 +83,14 @@ def _store_all(problem: Problem, base: dict) -> Solution:
 def min_feasible_budget(problem: Problem, depth: int | None, ablation: bool, solver: str) -> int:
     """The smallest budget any schedule of the model reaches (the min-memory problem)."""
     import cvxpy as cp
-    import numpy as np
 
     f = formulate(problem, depth, allow_recompute=not ablation)
-    x = cp.Variable(f.n_bool, boolean=True)
-    y = cp.Variable(f.n_cont)
-    b = cp.Variable()
-    rhs = f.rhs.copy()
-    rhs[f.budget_rows] = -f.budget_const
-    on_budget = np.zeros(f.n_rows)
-    on_budget[f.budget_rows] = 1.0
-    eq, le = f.is_eq, ~f.is_eq
-    cons = [
-        f.a_bool[eq] @ x + f.a_cont[eq] @ y == rhs[eq],
-        f.a_bool[le] @ x + f.a_cont[le] @ y - cp.multiply(on_budget[le], b) <= rhs[le],
-    ]
-    # Smallest memory first; among equals, the least recomputation.
-    prob = cp.Problem(cp.Minimize(b + 1e-6 * (f.cost @ x)), cons)
     chosen = "HIGHS" if "HIGHS" in cp.installed_solvers() else solver
-    prob.solve(solver=getattr(cp, chosen if chosen != "PULP" else "CBC"))
-    if x.value is None:
+    chosen = "CBC" if chosen == "PULP" else chosen
+    raw = solve_formulation(f, None, chosen, time_limit=None, gap=1e-4)  # HiGHS's default gap
+    if raw.x_bool is None:
         raise UserError("could not solve the min-memory problem")
-    return evaluate(f, np.round(x.value).astype(int))["peak_bytes"]
+    return evaluate(f, raw.x_bool)["peak_bytes"]
 
 
 def solve(

@@ -257,42 +257,56 @@ class RawResult:
     message: str = ""
 
 
-def _rhs_for(f: Formulation, budget_bytes: float) -> np.ndarray:
+def _rhs_for(f: Formulation, budget_bytes: float | None) -> np.ndarray:
+    """Right-hand sides; with no budget, the budget rows keep only their constants
+    (the budget then is a variable, on the left)."""
     rhs = f.rhs.copy()
-    rhs[f.budget_rows] = budget_bytes / MIB - f.budget_const
+    rhs[f.budget_rows] = (budget_bytes or 0) / MIB - f.budget_const
     return rhs
 
 
 def solve_formulation(
     f: Formulation,
-    budget_bytes: int,
+    budget_bytes: int | None,
     solver: str,
     time_limit: float | None,
     gap: float = 1e-3,
     verbose: bool = False,
 ) -> RawResult:
+    """Solve for the least recomputation within `budget_bytes`; with `budget_bytes=None`,
+    for the smallest budget (then the least recomputation among equals)."""
     rhs = _rhs_for(f, budget_bytes)
     started = time.perf_counter()
     if solver == "PULP":
+        if budget_bytes is None:
+            raise ValueError("the min-memory problem is solved through cvxpy, not PuLP")
         res = _solve_pulp(f, rhs, time_limit, gap, verbose)
     else:
-        res = _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose)
+        res = _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, budget_bytes is None)
     res.solve_time_s = time.perf_counter() - started
     return res
 
 
-def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose) -> RawResult:
+def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, minimize_budget=False) -> RawResult:
     import cvxpy as cp
 
     x = cp.Variable(f.n_bool, boolean=True)
     y = cp.Variable(f.n_cont)
     eq, le = f.is_eq, ~f.is_eq
+    lhs = f.a_bool @ x + f.a_cont @ y
+    objective = f.cost @ x
+    if minimize_budget:
+        budget = cp.Variable()
+        on_budget = np.zeros(f.n_rows)
+        on_budget[f.budget_rows] = 1.0
+        lhs = lhs - cp.multiply(on_budget, budget)
+        objective = budget + 1e-6 * objective  # smallest memory, then least recomputation
     cons = []
     if eq.any():
-        cons.append(f.a_bool[eq] @ x + f.a_cont[eq] @ y == rhs[eq])
+        cons.append(lhs[eq] == rhs[eq])
     if le.any():
-        cons.append(f.a_bool[le] @ x + f.a_cont[le] @ y <= rhs[le])
-    prob = cp.Problem(cp.Minimize(f.cost @ x), cons)
+        cons.append(lhs[le] <= rhs[le])
+    prob = cp.Problem(cp.Minimize(objective), cons)
     opts: dict = {}
     if solver == "HIGHS":
         opts = {"mip_rel_gap": gap}
@@ -319,6 +333,8 @@ def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose) -> RawResult:
     elif solver == "GUROBI" and stats is not None:
         bound = getattr(stats, "ObjBound", None)
         gap_value = getattr(stats, "MIPGap", None)
+    if minimize_budget:  # the solver's bound is on memory then, not on recomputation
+        bound = gap_value = None
     if status in ("infeasible", "infeasible_inaccurate"):
         return RawResult("infeasible", None, None, None, None, 0.0, solver)
     if x.value is None:
