@@ -153,7 +153,8 @@ def test_compact_formulation_is_within_two_percent_of_full(expression, shape, ba
         compact = solve(graph, prof, budget, solver="HIGHS", time_limit=120)
         assert compact.stats["variables"] <= full.stats["variables"]
         assert compact.objective_s <= 1.02 * full.objective_s + 1e-6
-        assert compact.objective_s >= full.objective_s - 1e-6  # compact restricts full
+        # Compact restricts full, but both stop within the solvers' 0.1% relative gap.
+        assert compact.objective_s >= full.objective_s * (1 - 1e-3) - 1e-6
 
 
 def test_modes_parse_and_unbuilt_variants_say_so():
