@@ -223,6 +223,7 @@ def build_solve_parser() -> argparse.ArgumentParser:
     p.add_argument("solver", help="CBC, HIGHS, GUROBI or PULP")
     p.add_argument("--time_limit", type=float, default=None, help="seconds for the MILP")
     p.add_argument("--ablation", action="store_true", help="forbid recomputation")
+    p.add_argument("--input_grad", action="store_true", help="also compute the input's gradient")
     p.add_argument("--formulation", default="compact", choices=("compact", "full"))
     p.add_argument("--depth", type=positive_int, default=None, help="compact: recompute depth")
     p.add_argument("--input_shape", help="per-sample input shape without batch, e.g. 3,224,224")
@@ -252,7 +253,9 @@ def cmd_solve(args) -> dict:
         raise UserError(f"unknown solver {args.solver!r}: choose one of {', '.join(SOLVERS)}")
     spec, shape, dtype, device = _setup(args)
     model = spec.build("cpu").to(device)
-    graph = capture(model, shape, args.batch, dtype, device, spec.expression)
+    graph = capture(
+        model, shape, args.batch, dtype, device, spec.expression, input_grad=args.input_grad
+    )
     print(f"{graph.summary()}", flush=True)
     prof = profile(model, graph, profile_batch=args.profile_batch, device=device)
     budget = int(args.budget_gb * GIB)
@@ -372,7 +375,7 @@ def cmd_check(args) -> dict:
         "budget_bytes": sol.budget_bytes,
     }
     print(f"{spec.expression} batch {args.batch}: schedule {path} ({sol.status}, {sol.mode})")
-    x = make_input(model, shape, args.batch, dtype, device)
+    x = make_input(model, shape, args.batch, dtype, device).requires_grad_(sol.input_grad)
     if args.run_bs or not (args.check_runtime or args.check_diff):
         t0 = time.perf_counter()
         measured = measure_training_step(wrapped, x)
@@ -389,15 +392,20 @@ def cmd_check(args) -> dict:
         eager = copy.deepcopy(model)
         replayed = copy.deepcopy(model)
         wrapped_copy = ScheduleWrapper(replayed, path, shape)
-        outs = []
+        outs, inputs = [], []
         for net in (eager, wrapped_copy):
             torch.manual_seed(1)
-            out = net(x)
+            inputs.append(x.detach().clone().requires_grad_(sol.input_grad))
+            out = net(inputs[-1])
             default_loss(out).backward()
             outs.append(tree_flatten(out)[0])
         abs_diff = rel_diff = out_diff = 0.0
         for a, b in zip(*outs, strict=True):
             out_diff = max(out_diff, (a - b).abs().max().item())
+        if sol.input_grad:
+            d = (inputs[0].grad - inputs[1].grad).abs().max().item()
+            report["max_abs_input_grad_diff"] = d
+            print(f"  input gradient vs eager: largest difference {d:.3g}")
         for p, q in zip(eager.parameters(), replayed.parameters(), strict=True):
             if p.grad is None or q.grad is None:
                 continue

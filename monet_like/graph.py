@@ -110,6 +110,7 @@ class Graph:
     ops: list[Op]
     nodes: list[Node]
     fingerprint: str = ""
+    input_grad: bool = False  # the step also computes the gradient of the input
     # The traced torch.fx.GraphModule, for the profiler and the replay to run, and the
     # pytree spec of the model's outputs: not part of the value.
     fx: Any = field(default=None, repr=False, compare=False)
@@ -157,7 +158,7 @@ class Graph:
         )
 
 
-def _fingerprint(storages: list[Storage], ops: list[Op]) -> str:
+def _fingerprint(storages: list[Storage], ops: list[Op], input_grad: bool) -> str:
     h = hashlib.sha256()
     for s in storages:
         h.update(
@@ -165,6 +166,7 @@ def _fingerprint(storages: list[Storage], ops: list[Op]) -> str:
         )
     for o in ops:
         h.update(f"o{o.target}:{o.phase}:{o.reads}:{o.allocates}:{o.outputs};".encode())
+    h.update(b"input_grad" if input_grad else b"")
     return h.hexdigest()[:16]
 
 
@@ -205,14 +207,17 @@ def _differentiable(outputs: Any) -> tuple[list[torch.Tensor], Any, list[int]]:
     return leaves, spec, diff
 
 
-def _trace(model: nn.Module, example: torch.Tensor, fake_params, fake_buffers, fake_mode):
+def _trace(
+    model: nn.Module, example: torch.Tensor, fake_params, fake_buffers, fake_mode, input_grad: bool
+):
     """make_fx over one training step written functionally.
 
     The step takes one incoming gradient ("tangent") per differentiable output, so a
     replay can take whatever gradient autograd hands it. The tangents are traced as
     one scalar expanded to each output's shape: what `loss.sum().backward()` passes,
-    so the memory model counts what an eager step holds. Returns the GraphModule and
-    the outputs' pytree spec.
+    so the memory model counts what an eager step holds. With `input_grad` the input's
+    gradient is the last of the gradients. Returns the GraphModule, the outputs'
+    pytree spec and the indices of the differentiable outputs.
     """
     import torch.fx.traceback as fx_traceback
     from torch.func import functional_call
@@ -227,13 +232,15 @@ def _trace(model: nn.Module, example: torch.Tensor, fake_params, fake_buffers, f
         state.update(zip(buffer_names, buffers, strict=True))
         return functional_call(model, state, (x,))
 
+    if input_grad:
+        example.requires_grad_(True)
     with fake_mode:  # a first, untraced pass to learn the outputs' structure
         leaves, spec, diff = _differentiable(forward(fake_params, fake_buffers, example))
         tangents = [torch.ones((), dtype=leaves[i].dtype).expand(leaves[i].shape) for i in diff]
 
     def step(params, buffers, x, tangents):
         leaves, _, diff = _differentiable(forward(params, buffers, x))
-        wrt = [params[i] for i in trainable]
+        wrt = [params[i] for i in trainable] + ([x] if input_grad else [])
         _tag_backward_ops([leaves[i] for i in diff])
         grads = torch.autograd.grad([leaves[i] for i in diff], wrt, tangents, allow_unused=True)
         return [t if isinstance(t, torch.Tensor) else None for t in leaves], list(grads)
@@ -317,11 +324,13 @@ def capture(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     model_name: str = "",
+    input_grad: bool = False,
 ) -> Graph:
     """Capture the joint forward/backward graph of one training step on fake tensors.
 
     `model` may live on any device, "meta" included: only shapes are read. The
-    model is put in training mode for the capture and restored afterwards.
+    model is put in training mode for the capture and restored afterwards. With
+    `input_grad` the step also differentiates with respect to the (floating) input.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -343,8 +352,13 @@ def capture(
             buffers = [fake_like(b, dtype, device) for b in model.buffers()]
             in_dtype = input_dtype(model, dtype)
             x = torch.empty((batch, *input_shape), dtype=in_dtype, device=device)
+        if input_grad and not in_dtype.is_floating_point:
+            raise UserError(
+                f"{model_name or type(model).__name__} takes {in_dtype} input (token ids?): "
+                "it has no input gradient"
+            )
         try:
-            gm, out_spec, diff_outputs = _trace(model, x, params, buffers, fake_mode)
+            gm, out_spec, diff_outputs = _trace(model, x, params, buffers, fake_mode, input_grad)
         except UserError:
             raise
         except Exception as exc:
@@ -447,8 +461,9 @@ def capture(
         fx=gm,
         out_spec=out_spec,
         diff_outputs=list(diff_outputs),
+        input_grad=input_grad,
     )
-    graph.fingerprint = _fingerprint(storages, ops)
+    graph.fingerprint = _fingerprint(storages, ops, input_grad)
     return graph
 
 

@@ -16,6 +16,7 @@ and a unit holding a random op (dropout) is never recomputed: the solver keeps i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -45,7 +46,7 @@ class Schedule:
     n_forward: int  # steps[:n_forward] run in the forward pass
     free_after: list[list[tuple[str, int]]]  # values dropped after each step
     outputs: list[str | None]  # fx names of the model's output leaves
-    grads: list[str | None]  # fx names of the parameter gradients (None: unused)
+    grads: list[tuple[str, int] | None]  # (fx name, version) of each gradient; None: unused
     n_params: int
     n_buffers: int
     n_tangents: int
@@ -118,7 +119,10 @@ def build(graph: Graph, solution: Solution) -> Schedule:
     out_args = list(graph.fx.graph.output_node().args[0])
     n_leaves = graph.out_spec.num_leaves
     outputs = [a.name if isinstance(a, torch.fx.Node) else None for a in out_args[:n_leaves]]
-    grads = [a.name if isinstance(a, torch.fx.Node) else None for a in out_args[n_leaves:]]
+    grads = [
+        (a.name, latest[a.name]) if isinstance(a, torch.fx.Node) else None
+        for a in out_args[n_leaves:]
+    ]
 
     # Liveness: a value dies after its last reader; gradients and outputs are read at the
     # end of their pass.
@@ -130,7 +134,7 @@ def build(graph: Graph, solution: Solution) -> Schedule:
     never = len(steps)  # gradients are handed to autograd, never freed here
     for g in grads:
         if g is not None:
-            last[(g, latest[g])] = never
+            last[g] = never
     for o in outputs:  # handed to the user at the end of the forward pass
         if o is not None:
             last[(o, ORIGINAL)] = max(last.get((o, ORIGINAL), 0), n_forward - 1)
@@ -156,6 +160,19 @@ def build(graph: Graph, solution: Solution) -> Schedule:
     )
 
 
+class _Plan(NamedTuple):
+    node: torch.fx.Node
+    slots: tuple | None  # (is a tensor key, key or constant) per positional argument
+    kwargs: dict
+    version: dict[str, int]  # version read of each input node (the general path)
+
+
+def _holds_node(value) -> bool:
+    found: list = []
+    torch.fx.node.map_arg(value, found.append)
+    return bool(found)
+
+
 class Executor:
     """Runs a Schedule's steps on tensors (real, or fake for simulation)."""
 
@@ -165,23 +182,45 @@ class Executor:
         self.on_step = None  # called after each step with its index (simulation hooks in)
         first = schedule.n_params
         self.buffer_names = set(schedule.placeholders[first : first + schedule.n_buffers])
+        # Each step's call, laid out once: the replay's Python cost per op is then one
+        # lookup per tensor argument (it is paid on every training step).
+        self._plans = [self._plan(step) for step in schedule.steps]
 
-    def _run_step(self, step: Step, env: dict) -> None:
+    def _plan(self, step: Step) -> _Plan:
         node = self.fx_nodes[step.node]
+        version = dict(step.reads)
+        kwarg_nodes: list = []
+        torch.fx.node.map_arg(node.kwargs, kwarg_nodes.append)
+        nested = [a for a in node.args if isinstance(a, (list, tuple)) and _holds_node(a)]
+        if nested or kwarg_nodes:  # tensors inside lists (cat) or keywords: general path
+            return _Plan(node, None, {}, version)
+        slots = tuple(
+            (True, (a.name, version[a.name])) if isinstance(a, torch.fx.Node) else (False, a)
+            for a in node.args
+        )
+        return _Plan(node, slots, dict(node.kwargs), version)
 
-        def load(a):
-            if isinstance(a, torch.fx.Node):
-                key = (a.name, dict(step.reads)[a.name])
-                if key not in env:
-                    raise ScheduleError(f"{step.node} reads {a.name} (version {key[1]}), freed")
-                return env[key]
-            return a
+    def _run_step(self, k: int, env: dict) -> None:
+        step, plan = self.schedule.steps[k], self._plans[k]
 
-        args = torch.fx.node.map_aggregate(node.args, load)
-        kwargs = torch.fx.node.map_aggregate(node.kwargs, load)
+        def load(key):
+            if key not in env:
+                raise ScheduleError(f"{step.node} reads {key[0]} (version {key[1]}), freed")
+            return env[key]
+
+        if plan.slots is not None:
+            args = tuple(load(v) if is_key else v for is_key, v in plan.slots)
+            kwargs = plan.kwargs
+        else:
+
+            def load_node(a):
+                return load((a.name, plan.version[a.name])) if isinstance(a, torch.fx.Node) else a
+
+            args = torch.fx.node.map_aggregate(plan.node.args, load_node)
+            kwargs = torch.fx.node.map_aggregate(plan.node.kwargs, load_node)
         if step.version != ORIGINAL:
-            args = self._protect_buffers(node, args)
-        env[(step.node, step.version)] = node.target(*args, **kwargs)
+            args = self._protect_buffers(plan.node, args)
+        env[(step.node, step.version)] = plan.node.target(*args, **kwargs)
 
     def _protect_buffers(self, node, args):
         """A recomputed op must not write buffers (BatchNorm's running statistics): give
@@ -202,7 +241,7 @@ class Executor:
         """Run steps [start, stop). Values in `handed_out` are stored there before our
         own reference to them is dropped (the model's outputs go to the user)."""
         for k in range(start, stop):
-            self._run_step(self.schedule.steps[k], env)
+            self._run_step(k, env)
             if self.on_step is not None:
                 self.on_step(k)
             for key in self.schedule.free_after[k]:
@@ -229,12 +268,7 @@ class Executor:
         for name, t in zip(s.placeholders[-s.n_tangents :], tangents, strict=True):
             env[(name, ORIGINAL)] = t
         self.run(env, s.n_forward, len(s.steps))
-        grads = []
-        for g in s.grads:
-            if g is None:
-                grads.append(None)
-                continue
-            grads.append(next((v for k, v in env.items() if k[0] == g), None))
+        grads = [env.get(g) if g is not None else None for g in s.grads]
         env.clear()
         return grads
 

@@ -50,6 +50,7 @@ class Solution:
     keep: list[bool]  # per unit: kept after the forward pass
     units: list[list[int]]  # per unit: its graph nodes
     stages: list[dict]  # per backward stage: {"unit", "ops", "recompute": [unit ids]}
+    input_grad: bool = False  # the schedule also computes the input's gradient
     format_version: int = FORMAT_VERSION
     library_version: str = __version__
     extra: dict = field(default_factory=dict)

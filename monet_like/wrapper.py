@@ -7,7 +7,8 @@
 It shares the model's parameters and buffers (optimizers built on
 `model.parameters()`, `state_dict()`, `.train()`/`.eval()` all work). In training
 mode with gradients enabled, forward and backward follow the schedule; in eval
-mode or under `torch.no_grad()` it is the model's own forward.
+mode or under `torch.no_grad()` it is the model's own forward. A schedule solved
+with `--input_grad` also gives the input its gradient when it requires grad.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class _Replay(torch.autograd.Function):
         ctx.env = None
         param_grads = iter(grads)
         out = [next(param_grads) if req else None for req in ctx.requires]
-        return (None, None, None, None, *out)
+        x_grad = next(param_grads, None) if ctx.needs_input_grad[3] else None
+        return (None, None, None, x_grad, *out)
 
 
 class ScheduleWrapper(nn.Module):
@@ -71,7 +73,13 @@ class ScheduleWrapper(nn.Module):
             )
         param = next(model.parameters())
         graph = capture(
-            model, self.input_shape, sol.batch, getattr(torch, sol.dtype), param.device, sol.model
+            model,
+            self.input_shape,
+            sol.batch,
+            getattr(torch, sol.dtype),
+            param.device,
+            sol.model,
+            input_grad=sol.input_grad,
         )
         if graph.fingerprint != sol.fingerprint:
             raise ScheduleMismatch(
@@ -96,10 +104,10 @@ class ScheduleWrapper(nn.Module):
             raise ScheduleMismatch(
                 f"input of shape {tuple(x.shape)} given to a schedule solved for {expected}"
             )
-        if x.requires_grad:
-            raise UserError(
-                "this schedule computes parameter gradients only; an input that requires "
-                "grad is not supported yet"
+        if x.requires_grad and not self.solution.input_grad:
+            raise ScheduleMismatch(
+                "the input requires grad but this schedule computes parameter gradients "
+                "only: solve again with --input_grad"
             )
         params = list(self.model.parameters())
         buffers = list(self.model.buffers())

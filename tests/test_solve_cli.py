@@ -78,3 +78,20 @@ def test_bad_input_is_one_line(args, message):
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_input_grad_schedule_checks_against_eager(tmp_path):
+    out = tmp_path / "s.json"
+    model = ["torchvision.models.resnet18()", "4"]
+    shape = ["--input_shape", "3,32,32", "--json"]
+    r = run(*model, "0.09", "normal", "HIGHS", *shape, "--input_grad", "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    assert load(out).input_grad
+    check = subprocess.run(
+        [sys.executable, "schedule.py", *model, "0.09", "normal", "HIGHS", "--solution_file",
+         str(out), *shape, "--check_diff"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stderr
+    report = last_json(check)
+    assert report["max_abs_input_grad_diff"] == 0.0 and report["max_abs_grad_diff"] == 0.0

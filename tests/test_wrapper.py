@@ -32,12 +32,12 @@ MODELS = [
 ]
 
 
-def solved(expression, shape, batch, fractions, tmp_path, depth=DEFAULT_DEPTH):
+def solved(expression, shape, batch, fractions, tmp_path, depth=DEFAULT_DEPTH, input_grad=False):
     """Yield (budget, solution file, model) for budgets spread over the feasible range:
     1.0 is the store-all peak, 0.0 the smallest feasible budget."""
     torch.manual_seed(0)
     model = parse_model(expression).build()
-    graph = capture(model, shape, batch, model_name=expression)
+    graph = capture(model, shape, batch, model_name=expression, input_grad=input_grad)
     prof = profile(model, graph, repeats=1, progress=False)
     problem = build_problem(graph, prof)
     low = min_feasible_budget(problem, depth, False, "HIGHS")
@@ -89,6 +89,38 @@ def test_replay_equals_eager_and_fits_the_prediction(expression, shape, batch, d
         assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
 
 
+@pytest.mark.parametrize(
+    "expression, shape, batch",
+    [("torchvision.models.resnet18()", (3, 64, 64), 16), ("unet(base=8)", (3, 64, 64), 4)],
+)
+def test_input_gradient_equals_eager(expression, shape, batch, tmp_path):
+    fractions = (1.0, 0.0)
+    budgets = solved(expression, shape, batch, fractions, tmp_path, input_grad=True)
+    for fraction, (budget, path, model, sol) in zip(fractions, budgets, strict=True):
+        assert sol.input_grad
+        if fraction == 0.0:  # the smallest budget: values are dropped and recomputed
+            assert budget < sol.store_all_peak_bytes and not all(sol.keep)
+        eager, replayed = copy.deepcopy(model), copy.deepcopy(model)
+        wrapped = ScheduleWrapper(replayed, path, shape)
+        x = make_input(model, shape, batch, torch.float32)
+        x_e, x_r = x.clone().requires_grad_(), x.clone().requires_grad_()
+        default_loss(eager(x_e)).backward()
+        default_loss(wrapped(x_r)).backward()
+        assert x_r.grad is not None and torch.equal(x_e.grad, x_r.grad)
+        for p, q in zip(eager.parameters(), replayed.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+        # The same schedule with an input that needs no gradient: parameters only.
+        replayed.zero_grad(set_to_none=True)
+        default_loss(wrapped(x)).backward()
+        assert x.grad is None
+        allocator = measure_allocator(
+            lambda w=wrapped, x=x_r: default_loss(w(x)).backward(), [*state_tensors(replayed), x_r]
+        )
+        # The allocator also sees the user's loss scalar, which no schedule predicts.
+        assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
+        assert allocator <= sol.predicted_peak_bytes * 1.02
+
+
 @pytest.fixture(scope="module")
 def resnet_solution(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sol")
@@ -124,7 +156,7 @@ def test_refusals(resnet_solution, tmp_path):
     wrapped = ScheduleWrapper(model, path, (3, 64, 64))
     with pytest.raises(ScheduleMismatch, match="solved for"):
         wrapped(torch.randn(8, 3, 64, 64))
-    with pytest.raises(UserError, match="input that requires grad"):
+    with pytest.raises(UserError, match="solve again with --input_grad"):
         wrapped(torch.randn(16, 3, 64, 64, requires_grad=True))
     text = path.read_text()
     (tmp_path / "cut.json").write_text(text[:100])

@@ -132,6 +132,7 @@ def solve(
         store_all_time_s=problem.store_all_time_s,
         fixed_bytes=problem.fixed_bytes,
         ablation=ablation,
+        input_grad=graph.input_grad,
     )
     if budget_bytes >= problem.store_all_peak_bytes:
         return _store_all(problem, base)
