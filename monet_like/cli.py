@@ -276,6 +276,7 @@ def cmd_solve(args) -> dict:
         depth=args.depth,
         ablation=args.ablation,
         verbose=args.verbose,
+        progress=lambda line: print(f"  {line}", flush=True),
     )
     # The solver's peak is a bound from its memory model; the schedule itself, run on
     # fake tensors with each op's workspace, gives the exact prediction.
@@ -301,7 +302,9 @@ def cmd_solve(args) -> dict:
         f" {sol.fixed_bytes / GIB:.3f} GB)\n"
         f"  predicted step time {sol.predicted_time_s:.3f} s vs store-all"
         f" {sol.store_all_time_s:.3f} s: overhead {sol.overhead:+.2%}\n"
-        f"  gap {gap}; solve time {sol.solve_time_s:.1f} s; {sol.stats or 'no MILP needed'}\n"
+        f"  gap {gap}; solve time {sol.solve_time_s:.1f} s; first schedule within the budget"
+        f" after {_seconds(sol.stats.get('first_feasible_s'))}\n"
+        f"  {_size(sol.stats)}\n"
         f"  solution written to {out}"
     )
     fits = sol.predicted_peak_bytes <= budget
@@ -318,6 +321,19 @@ def cmd_solve(args) -> dict:
         overhead=sol.overhead,
     )
     return report
+
+
+def _seconds(value: float | None) -> str:
+    return "(not reported by this solver)" if value is None else f"{value:.1f} s"
+
+
+def _size(stats: dict) -> str:
+    if "variables" not in stats:
+        return "no MILP needed"
+    return (
+        f"MILP: {stats['variables']} variables ({stats['binaries']} binary),"
+        f" {stats['constraints']} constraints, {stats['nonzeros']} nonzeros"
+    )
 
 
 def solve_main(argv: list[str] | None = None) -> int:

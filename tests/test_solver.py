@@ -12,9 +12,16 @@ from monet_like.graph import capture
 from monet_like.models import parse_model
 from monet_like.profile import profile
 from monet_like.solution import SolutionFileError, load
-from monet_like.solver import InfeasibleBudget, min_feasible_budget, parse_mode, solve
-from monet_like.solver.milp import evaluate, formulate, solve_formulation
+from monet_like.solver import (
+    DEFAULT_DEPTH,
+    InfeasibleBudget,
+    min_feasible_budget,
+    parse_mode,
+    solve,
+)
+from monet_like.solver.milp import evaluate, formulate, is_feasible, solve_formulation
 from monet_like.solver.problem import Problem, Stage, Unit, build_problem
+from monet_like.solver.start import greedy_start
 
 MIB = 2**20
 SOLVERS = ["HIGHS", "CBC", "PULP"]
@@ -201,3 +208,27 @@ def test_solution_file_roundtrip_and_refusals(resnet18, tmp_path):
         load(tmp_path / "new.json")
     with pytest.raises(SolutionFileError, match="no such"):
         load(tmp_path / "missing.json")
+
+
+def test_greedy_start_is_a_feasible_schedule():
+    """The start handed to HiGHS and PuLP satisfies every row at its budget."""
+    model = parse_model("torchvision.models.resnet18()").build()
+    graph = capture(model, (3, 64, 64), 16)
+    prof = profile(model, graph, repeats=1, progress=False)
+    problem = build_problem(graph, prof)
+    f = formulate(problem, DEFAULT_DEPTH)
+    low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+    found = 0
+    for fraction in (0.9, 0.6, 0.3):
+        budget = int(low + fraction * (problem.store_all_peak_bytes - low))
+        x = greedy_start(f, budget)
+        if x is None:
+            continue
+        found += 1
+        assert evaluate(f, x)["peak_bytes"] <= budget
+        assert is_feasible(f, x, budget)
+        assert not is_feasible(f, x, low - 1)  # the check can fail
+        sol = solve(graph, prof, budget, solver="HIGHS")
+        assert sol.stats["start"] == "greedy" and sol.stats["first_feasible_s"] is not None
+        assert sol.objective_s <= sol.stats["start_objective_s"] + 1e-9  # never worse
+    assert found >= 2

@@ -10,17 +10,23 @@ feasible budget (found by solving the min-memory problem) and the fixed part.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from monet_like.errors import UserError
 from monet_like.solution import Solution
 from monet_like.solver.milp import (
     check_solver,
     evaluate,
     formulate,
+    is_feasible,
     solve_formulation,
 )
 from monet_like.solver.problem import Problem, build_problem
+from monet_like.solver.start import greedy_start
 
 SOLVERS = ("CBC", "HIGHS", "GUROBI", "PULP")
+STARTABLE = ("HIGHS", "PULP")  # take a start schedule (cylp's CBC interface has no MIP start)
 MODE_FLAGS = ("inplace", "conv", "multiway", "newnode", "normal")
 # Operator variants each flag needs; none of them is built yet (see README).
 NOT_BUILT = {
@@ -105,8 +111,12 @@ def solve(
     ablation: bool = False,
     gap: float = 1e-3,
     verbose: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> Solution:
-    """Choose what to keep and what to recompute so that one step fits `budget_bytes`."""
+    """Choose what to keep and what to recompute so that one step fits `budget_bytes`.
+
+    `progress` receives one line per event worth showing (the start found, each
+    improved schedule where the solver reports them)."""
     parse_mode(mode)
     solver = solver.upper()
     if solver not in SOLVERS:
@@ -149,7 +159,22 @@ def solve(
         )
 
     f = formulate(problem, depth, allow_recompute=not ablation)
-    raw = solve_formulation(f, budget_bytes, solver, time_limit, gap, verbose)
+    start, start_s = None, 0.0
+    if solver in STARTABLE:
+        t0 = time.perf_counter()
+        start = greedy_start(f, budget_bytes)
+        if start is not None and not is_feasible(f, start, budget_bytes):
+            start = None  # never hand a solver a start that breaks a row
+        start_s = time.perf_counter() - t0
+        if progress is not None:
+            progress(
+                f"start: greedy checkpointing schedule with "
+                f"{float(f.cost @ start) * 1e-3:.3f} s of recomputation ({start_s:.1f} s)"
+                if start is not None
+                else f"start: the greedy heuristic found no schedule within the budget "
+                f"({start_s:.1f} s); {solver} starts from scratch"
+            )
+    raw = solve_formulation(f, budget_bytes, solver, time_limit, gap, verbose, start, progress)
     if raw.status == "infeasible":
         smallest = min_feasible_budget(problem, depth, ablation, solver)
         raise InfeasibleBudget(
@@ -192,7 +217,14 @@ def solve(
         predicted_peak_bytes=peak["peak_bytes"],
         predicted_peak_at=peak["peak_at"],
         predicted_time_s=problem.store_all_time_s + raw.objective,
-        stats=f.stats,
+        stats={
+            **f.stats,
+            "start": "greedy" if start is not None else None,
+            "start_objective_s": raw.start_objective,
+            "first_feasible_s": None
+            if raw.first_feasible_s is None
+            else raw.first_feasible_s + start_s,
+        },
         keep=[bool(x[f.keep[u.id]]) for u in problem.units],
         units=[list(u.nodes) for u in problem.units],
         stages=stages,

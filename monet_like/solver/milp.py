@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,6 +75,7 @@ class Formulation:
     budget_rows: np.ndarray  # rows whose right-hand side is the budget (minus constants)
     budget_const: np.ndarray  # the constant subtracted on those rows (MiB)
     stats: dict = field(default_factory=dict)
+    columns: list | None = field(default=None, repr=False)  # filled by evaluate()
 
     @property
     def n_rows(self) -> int:
@@ -255,6 +257,8 @@ class RawResult:
     solve_time_s: float
     solver: str
     message: str = ""
+    first_feasible_s: float | None = None  # when the first schedule within budget was known
+    start_objective: float | None = None  # recompute seconds of the start given, if any
 
 
 def _rhs_for(f: Formulation, budget_bytes: float | None) -> np.ndarray:
@@ -272,18 +276,140 @@ def solve_formulation(
     time_limit: float | None,
     gap: float = 1e-3,
     verbose: bool = False,
+    start: np.ndarray | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> RawResult:
     """Solve for the least recomputation within `budget_bytes`; with `budget_bytes=None`,
-    for the smallest budget (then the least recomputation among equals)."""
+    for the smallest budget (then the least recomputation among equals).
+
+    `start`: binary columns of a schedule within the budget, handed to the solvers
+    that take one (HiGHS, PuLP's CBC); with a start the first feasible time is 0.
+    `progress` receives one line per improved schedule where the solver reports them.
+    """
     rhs = _rhs_for(f, budget_bytes)
     started = time.perf_counter()
     if solver == "PULP":
         if budget_bytes is None:
-            raise ValueError("the min-memory problem is solved through cvxpy, not PuLP")
-        res = _solve_pulp(f, rhs, time_limit, gap, verbose)
+            raise ValueError("the min-memory problem is solved through HiGHS or cvxpy")
+        res = _solve_pulp(f, rhs, time_limit, gap, verbose, start)
+    elif solver == "HIGHS":
+        res = _solve_highs(f, rhs, time_limit, gap, verbose, budget_bytes is None, start, progress)
     else:
         res = _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, budget_bytes is None)
     res.solve_time_s = time.perf_counter() - started
+    if start is not None and res.solver != "CBC":
+        res.start_objective = float(f.cost @ start) * MS
+        res.first_feasible_s = 0.0
+    return res
+
+
+def _finish(f, x_val, status, bound, gap_value, gap, solver, minimize_budget) -> RawResult:
+    """Common tail of the solver interfaces: objective in seconds, gap and bound cleaned."""
+    objective = float(f.cost @ x_val) * MS
+    if minimize_budget:  # the solver's bound is on memory then, not on recomputation
+        bound = gap_value = None
+    bound = float(bound) * MS if bound is not None and np.isfinite(bound) else None
+    if gap_value is not None and not np.isfinite(gap_value):
+        gap_value = None
+    if objective <= 1e-12:
+        gap_value, bound = 0.0, 0.0
+    final = "optimal" if status == "optimal" else "feasible"
+    if final == "optimal" and gap_value is None:
+        # A search that finished within the requested relative gap: that tolerance is an
+        # upper bound on the gap even where the solver reports no bound.
+        gap_value = gap
+    return RawResult(final, x_val, objective, bound, gap_value, 0.0, solver)
+
+
+def _highs_model(f: Formulation, rhs: np.ndarray, minimize_budget: bool, fixed=None):
+    """A highspy model of the formulation; `fixed` pins the binary columns (an LP)."""
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)  # before passModel: no banner
+    n_b, n_c = f.n_bool, f.n_cont
+    n_cols = n_b + n_c + (1 if minimize_budget else 0)
+    a = sp.hstack([f.a_bool, f.a_cont], format="csc")
+    cost = np.concatenate([f.cost, np.zeros(n_c)])
+    if minimize_budget:
+        on_budget = np.zeros(f.n_rows)
+        on_budget[f.budget_rows] = -1.0
+        a = sp.hstack([a, sp.csc_matrix(on_budget[:, None])], format="csc")
+        cost = np.concatenate([1e-6 * cost, [1.0]])  # smallest memory, then least recompute
+    inf = highspy.kHighsInf
+    low_b = np.zeros(n_b) if fixed is None else np.asarray(fixed, dtype=float)
+    high_b = np.ones(n_b) if fixed is None else np.asarray(fixed, dtype=float)
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = n_cols, f.n_rows
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.concatenate([low_b, np.full(n_cols - n_b, -inf)])
+    lp.col_upper_ = np.concatenate([high_b, np.full(n_cols - n_b, inf)])
+    lp.row_lower_, lp.row_upper_ = np.where(f.is_eq, rhs, -inf), rhs
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
+    if fixed is None:
+        integer, continuous = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
+        lp.integrality_ = [integer] * n_b + [continuous] * (n_cols - n_b)
+    h.passModel(lp)
+    return h
+
+
+def is_feasible(f: Formulation, x_bool: np.ndarray, budget_bytes: int) -> bool:
+    """Whether the binary columns `x_bool` satisfy every row within `budget_bytes` (the
+    continuous columns completed by an LP)."""
+    import highspy
+
+    h = _highs_model(f, _rhs_for(f, budget_bytes), False, fixed=x_bool)
+    h.setOptionValue("output_flag", False)
+    h.run()
+    return h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+
+
+def _solve_highs(f, rhs, time_limit, gap, verbose, minimize_budget, start, progress):
+    """HiGHS through highspy: cvxpy's interface takes no start and reports no progress."""
+    import highspy
+
+    h = _highs_model(f, rhs, minimize_budget)
+    h.setOptionValue("output_flag", bool(verbose))
+    h.setOptionValue("mip_rel_gap", float(gap))
+    if time_limit:
+        h.setOptionValue("time_limit", float(time_limit))
+    n_b = f.n_bool
+    if start is not None:
+        h.setSolution(n_b, np.arange(n_b, dtype=np.int32), start.astype(np.float64))
+
+    first = [None]
+    started = time.perf_counter()
+
+    def improved(event) -> None:
+        out = event.data_out
+        if first[0] is None:
+            first[0] = time.perf_counter() - started
+        if progress is not None and not minimize_budget:
+            bound = out.mip_dual_bound
+            known = np.isfinite(bound) and np.isfinite(out.mip_gap)
+            progress(
+                f"[{out.running_time:6.1f} s] schedule with {out.objective_function_value * MS:.3f}"
+                f" s of recomputation"
+                + (f"; bound {bound * MS:.3f} s, gap {out.mip_gap:.2%}" if known else "")
+            )
+
+    h.cbMipImprovingSolution.subscribe(improved)
+    h.run()
+    model_status = h.getModelStatus()
+    if model_status == highspy.HighsModelStatus.kInfeasible:
+        return RawResult("infeasible", None, None, None, None, 0.0, "HIGHS")
+    info = h.getInfo()
+    solution = h.getSolution()
+    if info.primal_solution_status != 2:  # no feasible point
+        message = h.modelStatusToString(model_status)
+        return RawResult("error", None, None, None, None, 0.0, "HIGHS", message)
+    x_val = np.round(np.asarray(solution.col_value[:n_b])).astype(int)
+    status = "optimal" if model_status == highspy.HighsModelStatus.kOptimal else "feasible"
+    res = _finish(
+        f, x_val, status, info.mip_dual_bound, info.mip_gap, gap, "HIGHS", minimize_budget
+    )
+    res.first_feasible_s = first[0]
     return res
 
 
@@ -308,11 +434,7 @@ def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, minimize_budget=False
         cons.append(lhs[le] <= rhs[le])
     prob = cp.Problem(cp.Minimize(objective), cons)
     opts: dict = {}
-    if solver == "HIGHS":
-        opts = {"mip_rel_gap": gap}
-        if time_limit:
-            opts["time_limit"] = float(time_limit)
-    elif solver == "CBC":
+    if solver == "CBC":
         opts = {"allowableFractionGap": gap}
         if time_limit:
             opts["maximumSeconds"] = int(max(1, time_limit))
@@ -327,43 +449,24 @@ def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, minimize_budget=False
     status = prob.status
     bound = gap_value = None
     stats = prob.solver_stats.extra_stats if prob.solver_stats else None
-    if solver == "HIGHS" and stats is not None:
-        bound = getattr(stats, "mip_dual_bound", None)
-        gap_value = getattr(stats, "mip_gap", None)
-    elif solver == "GUROBI" and stats is not None:
+    if solver == "GUROBI" and stats is not None:
         bound = getattr(stats, "ObjBound", None)
         gap_value = getattr(stats, "MIPGap", None)
-    if minimize_budget:  # the solver's bound is on memory then, not on recomputation
-        bound = gap_value = None
     if status in ("infeasible", "infeasible_inaccurate"):
         return RawResult("infeasible", None, None, None, None, 0.0, solver)
     if x.value is None:
         return RawResult("error", None, None, None, None, 0.0, solver, f"solver status {status}")
     x_val = np.round(x.value).astype(int)
-    objective = float(f.cost @ x_val) * MS
-    if bound is not None and np.isfinite(bound):
-        bound = float(bound) * MS
-    else:
-        bound = None
-    if gap_value is not None and not np.isfinite(gap_value):
-        gap_value = None
-    if objective <= 1e-12:
-        gap_value, bound = 0.0, 0.0
-    final = "optimal" if status == "optimal" else "feasible"
-    if final == "optimal" and gap_value is None:
-        # CBC through cvxpy reports no bound, but "optimal" means its search finished
-        # within the requested relative gap: that tolerance is an upper bound on the gap.
-        gap_value = gap
-    return RawResult(final, x_val, objective, bound, gap_value, 0.0, solver)
+    return _finish(f, x_val, status, bound, gap_value, gap, solver, minimize_budget)
 
 
-def _solve_pulp(f, rhs, time_limit, gap, verbose) -> RawResult:
+def _solve_pulp(f, rhs, time_limit, gap, verbose, start) -> RawResult:
     with warnings.catch_warnings():  # PuLP 3 warns about its own 4.0 API change
         warnings.simplefilter("ignore", DeprecationWarning)
-        return _solve_pulp_quiet(f, rhs, time_limit, gap, verbose)
+        return _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start)
 
 
-def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose) -> RawResult:
+def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start) -> RawResult:
     import pulp
 
     prob = pulp.LpProblem("monet_like", pulp.LpMinimize)
@@ -380,7 +483,12 @@ def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose) -> RawResult:
         lhs = terms(a_b, xb, r) + terms(a_c, yc, r)
         expr = pulp.LpAffineExpression(lhs)
         prob += (expr == rhs[r]) if f.is_eq[r] else (expr <= rhs[r])
-    cmd = pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit, gapRel=gap)
+    if start is not None:  # CBC's -mipstart: it completes the continuous columns itself
+        for v, value in zip(xb, start, strict=True):
+            v.setInitialValue(int(value))
+    cmd = pulp.PULP_CBC_CMD(
+        msg=verbose, timeLimit=time_limit, gapRel=gap, warmStart=start is not None
+    )
     prob.solve(cmd)
     status = pulp.LpStatus[prob.status]
     if status == "Infeasible":
@@ -395,32 +503,73 @@ def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose) -> RawResult:
     return RawResult(final, x_val, objective, None, bound_gap, 0.0, "PULP")
 
 
+@dataclass(frozen=True)
+class _StageColumns:
+    """Column indices of one stage's candidates, for vectorized evaluation."""
+
+    units: np.ndarray
+    s_cols: np.ndarray
+    r_cols: np.ndarray  # -1 where the unit cannot be recomputed
+    workspace: np.ndarray  # bytes, per candidate
+
+
+def _stage_columns(f: Formulation) -> list[_StageColumns]:
+    if f.columns is not None:
+        return f.columns
+    units = f.problem.units
+    columns = []
+    for t, c in enumerate(f.cand):
+        columns.append(
+            _StageColumns(
+                units=np.array(c, dtype=int),
+                s_cols=np.array([f.s_index[t, u] for u in c], dtype=int),
+                r_cols=np.array([f.r_index.get((t, u), -1) for u in c], dtype=int),
+                workspace=np.array([units[u].workspace_bytes for u in c], dtype=np.int64),
+            )
+        )
+    f.columns = columns
+    return columns
+
+
 def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
     """Exact bytes of a 0/1 assignment under the model: peak and where it is reached."""
     p = f.problem
-    units, m = p.units, [u.bytes for u in p.units]
-    keep = x_bool[f.keep]
-    peak, where = 0, ""
-    for k in range(len(units)):
-        live = p.constant_bytes + p.forward_extra[k]
-        live += sum(m[u] for u in range(k + 1) if units[u].last_forward_use >= k or keep[u])
-        if live > peak:
-            peak, where = live, f"forward unit {k}"
-    for t, stage in enumerate(p.stages):
-        cset = set(f.cand[t])
-        recompute_ws = max(
-            (units[u].workspace_bytes for (s, u), j in f.r_index.items() if s == t and x_bool[j]),
-            default=0,
+    units = p.units
+    n_u = len(units)
+    m = np.array([u.bytes for u in units], dtype=np.int64)
+    keep = np.asarray(x_bool)[f.keep].astype(bool)
+    last_fwd = np.array([u.last_forward_use for u in units], dtype=int)
+    # forward unit k: units produced by k and still to be read in the forward pass, plus
+    # the kept ones already consumed
+    span = np.zeros(n_u + 1, dtype=np.int64)
+    np.add.at(span, np.arange(n_u), m)
+    np.add.at(span, last_fwd + 1, -m)
+    alive = np.cumsum(span)[:n_u]
+    consumed_kept = np.concatenate(
+        ([0], np.cumsum(np.bincount(last_fwd, weights=m * keep, minlength=n_u))[:-1])
+    ).astype(np.int64)
+    forward = p.constant_bytes + np.array(p.forward_extra, dtype=np.int64) + alive + consumed_kept
+    k = int(np.argmax(forward))
+    peak, where = int(forward[k]), f"forward unit {k}"
+    # backward stage t: kept units alive until their last possible use, and the
+    # candidates present (carried or recomputed)
+    last_use = np.array(f.last_use, dtype=int)
+    in_backward = last_use >= 0
+    kept_until = np.bincount(
+        last_use[in_backward], weights=(m * keep)[in_backward], minlength=len(p.stages)
+    )
+    z = np.cumsum(kept_until[::-1])[::-1]
+    x = np.asarray(x_bool)
+    for t, (stage, cols) in enumerate(zip(p.stages, _stage_columns(f), strict=True)):
+        recomputed = np.where(cols.r_cols >= 0, x[np.maximum(cols.r_cols, 0)], 0)
+        present = x[cols.s_cols] + recomputed
+        ws = int(cols.workspace[recomputed > 0].max(initial=0))
+        live = (
+            p.constant_bytes
+            + max(stage.grad_bytes, stage.start_bytes + ws)
+            + int(z[t])
+            + int((m[cols.units] * (present - keep[cols.units])).sum())
         )
-        live = p.constant_bytes + max(stage.grad_bytes, stage.start_bytes + recompute_ws)
-        for u in range(len(units)):
-            if u in cset:
-                present = x_bool[f.s_index[t, u]] + (
-                    x_bool[f.r_index[t, u]] if (t, u) in f.r_index else 0
-                )
-                live += m[u] * present
-            elif keep[u] and f.last_use[u] >= t:
-                live += m[u]
         if live > peak:
             peak, where = live, f"backward stage {t}"
     return {"peak_bytes": int(peak), "peak_at": where}
