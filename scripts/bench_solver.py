@@ -1,8 +1,11 @@
 """The MILP on MONeT's benchmark configurations: size, solve time, gap, predicted overhead.
 
 For each model at MONeT's batch size and each budget (GB), each solver: variables,
-constraints, solve time, final gap and the predicted overhead of the schedule over
-the store-all step (from this machine's profile). Writes a CSV and a PNG.
+constraints, time to the first schedule within the budget (0 plus the heuristic's
+time when the solver takes the greedy start; "n/a" where the solver reports no
+incumbents: CBC through cylp), solve time, final gap and the predicted overhead of
+the schedule over the store-all step (from this machine's profile). Writes a CSV
+and a PNG.
 
     python scripts/bench_solver.py [--models resnet50,googlenet,...] [--budgets 10,9,8,7,6,5]
         [--solvers HIGHS,CBC] [--time_limit 600] [--formulation compact] [--out out/]
@@ -15,6 +18,7 @@ import warnings
 
 import pandas as pd
 
+from monet_like.errors import UserError
 from monet_like.graph import capture
 from monet_like.models import parse_model
 from monet_like.profile import profile
@@ -57,7 +61,7 @@ def main() -> None:
         )
         print(
             f"{'GB':>4s} {'solver':>6s} {'vars':>7s} {'cons':>7s} {'status':>10s} {'gap':>7s}"
-            f" {'solve s':>8s} {'peak GB':>8s} {'overhead':>9s}"
+            f" {'first s':>8s} {'solve s':>8s} {'peak GB':>8s} {'overhead':>9s}"
         )
         for budget in (float(b) for b in args.budgets.split(",")):
             for solver in args.solvers.split(","):
@@ -76,12 +80,15 @@ def main() -> None:
                         variables=sol.stats.get("variables", 0),
                         constraints=sol.stats.get("constraints", 0),
                         gap=sol.gap,
+                        first_feasible_s=sol.stats.get("first_feasible_s"),
                         solve_s=sol.solve_time_s,
                         peak_gb=sol.predicted_peak_bytes / GIB,
                         overhead=sol.overhead,
                     )
                 except InfeasibleBudget as exc:
                     row.update(status="infeasible", min_budget_gb=exc.min_budget_bytes / GIB)
+                except UserError as exc:  # a time-limited solve with nothing in the budget
+                    row.update(status="no schedule", message=str(exc))
                 rows.append(row)
                 if row["status"] == "infeasible":
                     print(
@@ -89,10 +96,15 @@ def main() -> None:
                         f"{row['min_budget_gb']:.2f} GB"
                     )
                     continue
+                if row["status"] == "no schedule":
+                    print(f"{budget:4g} {solver:>6s} {row['message']}")
+                    continue
                 gap = "n/a" if row["gap"] is None else f"{row['gap']:.2%}"
+                first = row["first_feasible_s"]
+                first = "n/a" if first is None else f"{first:.1f}"
                 print(
                     f"{budget:4g} {solver:>6s} {row['variables']:7d} {row['constraints']:7d}"
-                    f" {row['status']:>10s} {gap:>7s} {row['solve_s']:8.1f}"
+                    f" {row['status']:>10s} {gap:>7s} {first:>8s} {row['solve_s']:8.1f}"
                     f" {row['peak_gb']:8.3f} {row['overhead']:+9.2%}",
                     flush=True,
                 )
@@ -106,7 +118,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ok = df[df["status"] != "infeasible"]
+    ok = df[df["status"].isin(["optimal", "feasible", "store-all"])]
     for (name, solver), g in ok.groupby(["model", "solver"]):
         ax.plot(g["budget_gb"], 100 * g["overhead"], marker="o", label=f"{name} {solver}")
     ax.set_xlabel("budget (GB)")

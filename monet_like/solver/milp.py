@@ -494,7 +494,10 @@ def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start) -> RawResult:
     if status == "Infeasible":
         return RawResult("infeasible", None, None, None, None, 0.0, "PULP")
     if any(v.varValue is None for v in xb):
-        return RawResult("error", None, None, None, None, 0.0, "PULP", f"status {status}")
+        message = f"no schedule found (CBC status {status}, solution status {prob.sol_status})"
+        if time_limit:
+            message += f" within the time limit of {time_limit:g} s: give it more time or use HIGHS"
+        return RawResult("error", None, None, None, None, 0.0, "PULP", message)
     x_val = np.array([round(v.varValue) for v in xb], dtype=int)
     objective = float(f.cost @ x_val) * MS
     final = "optimal" if status == "Optimal" and prob.sol_status == 1 else "feasible"
