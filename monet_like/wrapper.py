@@ -7,8 +7,7 @@
 It shares the model's parameters and buffers (optimizers built on
 `model.parameters()`, `state_dict()`, `.train()`/`.eval()` all work). In training
 mode with gradients enabled, forward and backward follow the schedule; in eval
-mode or under `torch.no_grad()` it is the model's own forward, and so is a
-store-all schedule (nothing dropped: eager autograd is that schedule). A schedule solved
+mode or under `torch.no_grad()` it is the model's own forward. A schedule solved
 with `--input_grad` also gives the input its gradient when it requires grad.
 """
 
@@ -110,10 +109,6 @@ class ScheduleWrapper(nn.Module):
                 "the input requires grad but this schedule computes parameter gradients "
                 "only: solve again with --input_grad"
             )
-        if self.solution.status == "store-all":
-            # Keep everything, recompute nothing: that is eager PyTorch's own step, run
-            # by autograd at no replay cost (same ops, same memory: see README).
-            return self.model(x)
         params = list(self.model.parameters())
         buffers = list(self.model.buffers())
         tensors = _Replay.apply(self._executor, buffers, self._diff_index, x, *params)

@@ -69,9 +69,6 @@ def test_replay_equals_eager_and_fits_the_prediction(expression, shape, batch, d
     budgets = solved(expression, shape, batch, (1.0, 0.5, 0.0), tmp_path, depth)
     for budget, path, model, sol in budgets:
         eager, replayed, wrapped, x, out_e, out_r = eager_and_replayed(model, path, shape, batch)
-        # A store-all schedule is eager autograd's own step; any other runs the executor.
-        replay_fn = type(tree_flatten(out_r)[0][0].grad_fn).__name__
-        assert (replay_fn == "_ReplayBackward") == (sol.status != "store-all")
         # Same aten ops on the same inputs: bitwise equal, recomputation included.
         for a, b in zip(tree_flatten(out_e)[0], tree_flatten(out_r)[0], strict=True):
             assert torch.equal(a, b)
