@@ -16,6 +16,7 @@ from collections.abc import Callable
 from monet_like.errors import UserError
 from monet_like.solution import Solution
 from monet_like.solver.milp import (
+    STARTABLE,
     check_solver,
     evaluate,
     formulate,
@@ -26,7 +27,6 @@ from monet_like.solver.problem import Problem, build_problem
 from monet_like.solver.start import greedy_start
 
 SOLVERS = ("CBC", "HIGHS", "GUROBI", "PULP")
-STARTABLE = ("HIGHS", "PULP")  # take a start schedule (cylp's CBC interface has no MIP start)
 MODE_FLAGS = ("inplace", "conv", "multiway", "newnode", "normal")
 # Operator variants each flag needs; none of them is built yet (see README).
 NOT_BUILT = {

@@ -35,6 +35,7 @@ from monet_like.solver.problem import Problem
 
 MIB = float(2**20)  # bytes are scaled to MiB inside the matrix: better conditioned
 MS = 1e-3  # times scaled to milliseconds
+STARTABLE = ("HIGHS", "PULP")  # take a start schedule (cylp's CBC interface has no MIP start)
 
 
 def candidates(problem: Problem, depth: int | None) -> list[list[int]]:
@@ -297,7 +298,7 @@ def solve_formulation(
     else:
         res = _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, budget_bytes is None)
     res.solve_time_s = time.perf_counter() - started
-    if start is not None and res.solver != "CBC":
+    if start is not None and solver in STARTABLE:
         res.start_objective = float(f.cost @ start) * MS
         res.first_feasible_s = 0.0
     return res
@@ -360,7 +361,6 @@ def is_feasible(f: Formulation, x_bool: np.ndarray, budget_bytes: int) -> bool:
     import highspy
 
     h = _highs_model(f, _rhs_for(f, budget_bytes), False, fixed=x_bool)
-    h.setOptionValue("output_flag", False)
     h.run()
     return h.getModelStatus() == highspy.HighsModelStatus.kOptimal
 

@@ -1,12 +1,13 @@
 """A feasible start for the MILP: a greedy checkpointing schedule.
 
 The solver is handed a schedule that already fits, so a time-limited solve has a
-valid answer from its first second. The heuristic drops units in order of bytes
+valid answer from its first second. The heuristic tries units in order of bytes
 freed per second of recomputation and recomputes each dropped unit just in time:
 at every backward stage, what the stage needs is either kept, still in memory from
 the previous stage, or recomputed from its inputs (themselves kept, carried or
-recomputed). It stops at the first prefix of that order whose exact peak, under
-the same memory model as the MILP (`milp.evaluate`), fits the budget.
+recomputed). A drop stays when it does not raise the exact peak under the MILP's
+own memory model (`milp.evaluate`); the heuristic stops as soon as the peak fits
+the budget, or after a few passes over the order.
 """
 
 from __future__ import annotations
