@@ -302,8 +302,7 @@ def cmd_solve(args) -> dict:
         f" {sol.fixed_bytes / GIB:.3f} GB)\n"
         f"  predicted step time {sol.predicted_time_s:.3f} s vs store-all"
         f" {sol.store_all_time_s:.3f} s: overhead {sol.overhead:+.2%}\n"
-        f"  gap {gap}; solve time {sol.solve_time_s:.1f} s; first schedule within the budget"
-        f" after {_seconds(sol.stats.get('first_feasible_s'))}\n"
+        f"  gap {gap}; solve time {sol.solve_time_s:.1f} s; {_first(sol)}\n"
         f"  {_size(sol.stats)}\n"
         f"  solution written to {out}"
     )
@@ -323,8 +322,13 @@ def cmd_solve(args) -> dict:
     return report
 
 
-def _seconds(value: float | None) -> str:
-    return "(not reported by this solver)" if value is None else f"{value:.1f} s"
+def _first(sol) -> str:
+    seconds = sol.stats.get("first_feasible_s")
+    if sol.status == "store-all":
+        return "store-all needs no solve"
+    if seconds is None:
+        return f"time to the first schedule within the budget: not reported by {sol.solver}"
+    return f"first schedule within the budget after {seconds:.1f} s"
 
 
 def _size(stats: dict) -> str:
