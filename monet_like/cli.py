@@ -245,6 +245,7 @@ def cmd_solve(args) -> dict:
     from monet_like.graph import capture
     from monet_like.profile import profile
     from monet_like.solver import SOLVERS, parse_mode, solve
+    from monet_like.variants import apply as apply_variants
 
     if args.budget_gb <= 0:
         raise UserError(f"the budget must be positive, got {args.budget_gb:g} GB")
@@ -256,6 +257,7 @@ def cmd_solve(args) -> dict:
     graph = capture(
         model, shape, args.batch, dtype, device, spec.expression, input_grad=args.input_grad
     )
+    graph = apply_variants(graph, args.mode)
     print(f"{graph.summary()}", flush=True)
     prof = profile(model, graph, profile_batch=args.profile_batch, device=device)
     budget = int(args.budget_gb * GIB)

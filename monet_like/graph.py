@@ -111,12 +111,15 @@ class Graph:
     nodes: list[Node]
     fingerprint: str = ""
     input_grad: bool = False  # the step also computes the gradient of the input
+    variants: tuple[str, ...] = ()  # operator variants rewritten into it (monet_like.variants)
     # The traced torch.fx.GraphModule, for the profiler and the replay to run, and the
     # pytree spec of the model's outputs: not part of the value.
     fx: Any = field(default=None, repr=False, compare=False)
     out_spec: Any = field(default=None, repr=False, compare=False)
     # Which output leaves take an incoming gradient (one tangent placeholder each).
     diff_outputs: list[int] = field(default_factory=list, repr=False, compare=False)
+    # (kind, name) of each placeholder of `fx`, in order.
+    placeholders: list[tuple[str, str]] = field(default_factory=list, repr=False, compare=False)
 
     # -- derived facts ------------------------------------------------------------
     def bytes_of(self, kind: str) -> int:
@@ -145,7 +148,7 @@ class Graph:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for key in ("fx", "out_spec", "diff_outputs"):
+        for key in ("fx", "out_spec", "diff_outputs", "placeholders"):
             d.pop(key)
         return d
 
@@ -177,6 +180,21 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def _is_mutating(target: Any) -> bool:
     schema = getattr(target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
+
+
+def _written_args(n: Any) -> list[Any]:
+    """The fx input nodes an op's schema declares it writes (`Tensor(a!)`)."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+        if isinstance(value, torch.fx.Node):
+            written.append(value)
+    return written
 
 
 def _short_kind(target: Any) -> str:
@@ -333,7 +351,6 @@ def capture(
     `input_grad` the step also differentiates with respect to the (floating) input.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.multiprocessing.reductions import StorageWeakRef
 
     from monet_like.models import input_dtype
 
@@ -370,7 +387,41 @@ def capture(
     finally:
         model.train(was_training)
 
-    # -- storages and ops --------------------------------------------------------
+    named = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    kinds = [PARAM] * len(params) + [BUFFER] * len(buffers) + [INPUT]
+    kinds += [SEED] * len(diff_outputs)
+    names = named + ["input"] + [f"tangent{i}" for i in range(len(diff_outputs))]
+    return derive(
+        gm,
+        list(zip(kinds, names, strict=True)),
+        out_spec,
+        list(diff_outputs),
+        model=model_name or type(model).__name__,
+        batch=batch,
+        input_shape=tuple(input_shape),
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        input_grad=input_grad,
+    )
+
+
+def derive(
+    gm: Any,
+    placeholders: list[tuple[str, str]],
+    out_spec: Any,
+    diff_outputs: list[int],
+    variants: tuple[str, ...] = (),
+    **facts: Any,
+) -> Graph:
+    """The plain Graph of a traced joint GraphModule whose nodes carry fake values
+    (`meta["val"]`): storages, ops in order, forward nodes.
+
+    `placeholders`: (kind, name) of each placeholder in order. `facts`: model, batch,
+    input_shape, dtype, device, input_grad. Used by `capture` and again after a
+    variant rewrites the graph (`monet_like.variants`).
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     storage_ids: dict[Any, int] = {}
     storages: list[Storage] = []
 
@@ -384,12 +435,8 @@ def capture(
         return sid, True
 
     fx_nodes = list(gm.graph.nodes)
-    placeholders = [n for n in fx_nodes if n.op == "placeholder"]
-    named = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    kinds = [PARAM] * len(params) + [BUFFER] * len(buffers) + [INPUT]
-    kinds += [SEED] * len(diff_outputs)
-    names = named + ["input"] + [f"tangent{i}" for i in range(len(diff_outputs))]
-    for ph, kind, name in zip(placeholders, kinds, names, strict=True):
+    phs = [n for n in fx_nodes if n.op == "placeholder"]
+    for ph, (kind, name) in zip(phs, placeholders, strict=True):
         for t in _tensors(ph.meta.get("val")):
             storage_of(t, kind, name)
 
@@ -413,6 +460,11 @@ def capture(
                 outputs.append(sid)
             if new:
                 allocates.append(sid)
+        for arg in _written_args(n):  # an op may write an input it does not return
+            for t in _tensors(arg.meta.get("val")):
+                sid, _ = storage_of(t, ACTIVATION, arg.name)
+                if sid not in outputs:
+                    outputs.append(sid)
         if not in_backward and tainted.intersection(reads):
             in_backward = True
         if in_backward:
@@ -449,22 +501,20 @@ def capture(
 
     nodes, ops = _coarsen(ops, op_meta, storages)
     graph = Graph(
-        model=model_name or type(model).__name__,
-        batch=batch,
-        input_shape=tuple(input_shape),
-        dtype=str(dtype).removeprefix("torch."),
-        device=str(device),
+        **facts,
         torch_version=torch.__version__,
         storages=storages,
         ops=ops,
         nodes=nodes,
+        variants=tuple(variants),
         fx=gm,
         out_spec=out_spec,
         diff_outputs=list(diff_outputs),
-        input_grad=input_grad,
+        placeholders=list(placeholders),
     )
-    graph.fingerprint = _fingerprint(storages, ops, input_grad)
+    graph.fingerprint = _fingerprint(storages, ops, graph.input_grad)
     return graph
+
 
 
 def _coarsen(

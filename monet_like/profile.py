@@ -299,7 +299,12 @@ def profile(
             if graph.fx is None:
                 raise UserError("this graph carries no traced module to run: capture it again")
             return graph
-        other = capture(model, graph.input_shape, batch, dtype, device, graph.model)
+        from monet_like.variants import apply as apply_variants
+
+        other = capture(
+            model, graph.input_shape, batch, dtype, device, graph.model, graph.input_grad
+        )
+        other = apply_variants(other, graph.variants)
         if [o.target for o in other.ops] != [o.target for o in graph.ops]:
             raise UserError(
                 f"the graph at batch {batch} differs from the one at batch {graph.batch} "

@@ -23,6 +23,7 @@ from monet_like.errors import UserError
 from monet_like.graph import capture
 from monet_like.schedule import Executor, build
 from monet_like.solution import load
+from monet_like.variants import apply as apply_variants
 
 
 class ScheduleMismatch(UserError):
@@ -81,6 +82,7 @@ class ScheduleWrapper(nn.Module):
             sol.model,
             input_grad=sol.input_grad,
         )
+        graph = apply_variants(graph, sol.mode)
         if graph.fingerprint != sol.fingerprint:
             raise ScheduleMismatch(
                 f"{solution_file} was solved for another graph ({sol.model}, batch {sol.batch},"

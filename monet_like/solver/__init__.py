@@ -25,16 +25,9 @@ from monet_like.solver.milp import (
 )
 from monet_like.solver.problem import Problem, build_problem
 from monet_like.solver.start import greedy_start
+from monet_like.variants import parse_mode
 
 SOLVERS = ("CBC", "HIGHS", "GUROBI", "PULP")
-MODE_FLAGS = ("inplace", "conv", "multiway", "newnode", "normal")
-# Operator variants each flag needs; none of them is built yet (see README).
-NOT_BUILT = {
-    "inplace": "in-place operators",
-    "conv": "convolution algorithm choice",
-    "multiway": "output-activated backward (BatchNorm, ReLU, hardtanh)",
-    "newnode": "compact intermediates (1-bit ReLU mask, byte max-pool argmax)",
-}
 DEFAULT_DEPTH = 16  # the compact formulation's recomputation depth (see docs/formulation.md)
 GIB = 2**30
 
@@ -44,25 +37,6 @@ class InfeasibleBudget(UserError):
         super().__init__(message)
         self.min_budget_bytes = min_budget_bytes
         self.fixed_bytes = fixed_bytes
-
-
-def parse_mode(mode: str) -> tuple[str, ...]:
-    """MONeT's mode strings: flags joined by '_' (inplace_conv_multiway_newnode, normal...)."""
-    flags = tuple(f for f in mode.lower().split("_") if f)
-    unknown = [f for f in flags if f not in MODE_FLAGS]
-    if not flags or unknown:
-        raise UserError(
-            f"unknown mode {mode!r}: flags are {', '.join(MODE_FLAGS)} joined by '_' "
-            "(e.g. normal, inplace_conv_multiway_newnode)"
-        )
-    missing = [f for f in flags if f in NOT_BUILT]
-    if missing:
-        raise UserError(
-            f"mode {mode!r} needs operator variants that are not built yet: "
-            + "; ".join(f"{f} ({NOT_BUILT[f]})" for f in missing)
-            + ". Use mode 'normal' (checkpointing only)."
-        )
-    return flags
 
 
 def _store_all(problem: Problem, base: dict) -> Solution:
@@ -117,7 +91,13 @@ def solve(
 
     `progress` receives one line per event worth showing (the start found, each
     improved schedule where the solver reports them)."""
-    parse_mode(mode)
+    flags = parse_mode(mode)
+    missing = [f for f in flags if f not in graph.variants]
+    if missing:
+        raise UserError(
+            f"mode {mode!r}: the graph was captured without the {', '.join(missing)} variants;"
+            " rewrite it with monet_like.variants.apply(graph, mode) before profiling"
+        )
     solver = solver.upper()
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")

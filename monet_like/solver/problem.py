@@ -70,6 +70,21 @@ def build_problem(graph: Graph, profile, workspace: dict[int, int] | None = None
     unit_of_node: dict[int, int] = {}
     for node in graph.nodes:
         acts = [s for s in node.outputs if storages[s].kind == ACTIVATION]
+        overwritten = [
+            unit_of_storage[s]
+            for s in ops[node.op].outputs
+            if s in unit_of_storage and s not in node.outputs
+        ]
+        if acts and overwritten:
+            # Allocates and also writes an earlier unit's storage (BatchNorm run in place
+            # returns its statistics): recomputing that unit must run this node too.
+            uid = overwritten[0]
+            unit_nodes[uid].append(node.id)
+            unit_storages[uid].extend(acts)
+            for s in acts:
+                unit_of_storage[s] = uid
+            unit_of_node[node.id] = uid
+            continue
         if acts:
             uid = len(unit_nodes)
             unit_nodes.append([node.id])

@@ -1,0 +1,159 @@
+"""Operator variants: memory-lean implementations of aten ops, rewritten into the graph.
+
+A variant replaces an aten pattern of the captured joint graph with ops of
+`torch.ops.monet_like` (C++/CUDA kernels in csrc/, see `monet_like.kernels`) that
+need fewer or smaller values in the backward pass, or that write over an input
+that is dead. Each one is described by a `Variant` in `REGISTRY`: the mode flag
+that enables it, the aten pattern it replaces, what its backward reads (its
+"path"), its extra forward outputs, and whether it works in place.
+
+    graph = capture(model, shape, batch)
+    graph = apply(graph, ("multiway", "newnode"))   # a new Graph; `graph` is unchanged
+
+A mode's variants are applied wherever they are valid (each site is checked on
+the graph: an input that is read later is never overwritten, an output that is
+overwritten is never read back), then the solver chooses checkpoints on the
+rewritten graph, with every byte and op time of the variants in its profile. An
+op the registry knows nothing about is left as PyTorch runs it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from monet_like.errors import UserError
+from monet_like.graph import Graph, derive
+
+MODE_FLAGS = ("inplace", "conv", "multiway", "newnode", "normal")
+# Order of application: output-activated backward first (it frees inputs that an
+# in-place pass may then overwrite), compact intermediates last.
+PASS_ORDER = ("multiway", "inplace", "newnode")
+NOT_BUILT = {"conv": "convolution algorithm choice"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    flag: str  # the mode flag that enables it
+    replaces: str  # the aten pattern
+    backward_reads: str  # its "path": the values its backward needs
+    extra_outputs: str  # forward outputs it adds ("" for none)
+    in_place: bool
+    rewrite: Callable[[Graph, torch.fx.GraphModule], int]  # rewrites every valid site
+
+
+def parse_mode(mode: str) -> tuple[str, ...]:
+    """MONeT's mode strings: flags joined by '_' (inplace_conv_multiway_newnode, normal...).
+    Returns the variant flags (without 'normal'); refuses unknown and unbuilt ones."""
+    flags = tuple(f for f in mode.lower().split("_") if f)
+    unknown = [f for f in flags if f not in MODE_FLAGS]
+    if not flags or unknown:
+        raise UserError(
+            f"unknown mode {mode!r}: flags are {', '.join(MODE_FLAGS)} joined by '_' "
+            "(e.g. normal, inplace_multiway_newnode)"
+        )
+    missing = [f for f in flags if f in NOT_BUILT]
+    if missing:
+        raise UserError(
+            f"mode {mode!r} needs operator variants that are not built yet: "
+            + "; ".join(f"{f} ({NOT_BUILT[f]})" for f in missing)
+            + ". Built: normal, inplace, multiway, newnode."
+        )
+    return tuple(f for f in PASS_ORDER if f in flags)
+
+
+def refresh(graph: Graph, gm: torch.fx.GraphModule, variants: tuple[str, ...]) -> Graph:
+    """The Graph of a rewritten GraphModule: fake values propagated again through every
+    node (aliasing included), then storages, ops and nodes derived as at capture."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    gm.graph.lint()
+    gm.recompile()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    metas = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    with mode:
+        values = [
+            torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device)
+            for m in metas
+        ]
+    with torch.no_grad():
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*values)
+    return derive(
+        gm,
+        graph.placeholders,
+        graph.out_spec,
+        graph.diff_outputs,
+        variants=variants,
+        model=graph.model,
+        batch=graph.batch,
+        input_shape=graph.input_shape,
+        dtype=graph.dtype,
+        device=graph.device,
+        input_grad=graph.input_grad,
+    )
+
+
+def apply(graph: Graph, flags: tuple[str, ...] | str) -> Graph:
+    """`graph` with the variants of `flags` (or a mode string) rewritten in, as a new
+    Graph; `graph.variants` lists the flags applied. Flags already applied are skipped."""
+    import dataclasses
+
+    if isinstance(flags, str):
+        flags = parse_mode(flags)
+    todo = [f for f in PASS_ORDER if f in flags and f not in graph.variants]
+    if not todo:
+        return graph
+    from monet_like import kernels
+
+    kernels.load()
+    _register_all()
+    for flag in todo:
+        for variant in (v for v in REGISTRY.values() if v.flag == flag):
+            gm = copy_module(graph.fx)
+            if variant.rewrite(graph, gm):  # later variants see this one's result
+                graph = refresh(graph, gm, graph.variants)
+        graph = dataclasses.replace(graph, variants=(*graph.variants, flag))
+    return graph
+
+
+def copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule with its own nodes (their meta copied shallowly), so that rewriting
+    it leaves the original graph intact."""
+    g = torch.fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return torch.fx.GraphModule(gm, g)
+
+
+def _register_all() -> None:
+    from monet_like.variants import inplace, multiway, newnode  # noqa: F401  (registers)
+
+
+REGISTRY: dict[str, Variant] = {}
+
+
+def register(variant: Variant) -> Variant:
+    REGISTRY[variant.name] = variant
+    return variant
+
+
+def describe() -> list[dict]:
+    """The registry as plain rows (for the README and `python -m monet_like variants`)."""
+    _register_all()
+
+    return [
+        {
+            "variant": v.name,
+            "flag": v.flag,
+            "replaces": v.replaces,
+            "backward reads": v.backward_reads,
+            "extra outputs": v.extra_outputs or "-",
+            "in place": "yes" if v.in_place else "no",
+        }
+        for v in REGISTRY.values()
+    ]

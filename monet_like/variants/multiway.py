@@ -1,0 +1,97 @@
+"""`multiway`: output-activated backward, so that an op's input need not be kept.
+
+- BatchNorm (training): the backward reconstructs the normalized input from the
+  output, xhat = (y - beta) / gamma, with the saved inverse std
+  (`batch_norm_backward_from_output`). Valid only where `y` survives to the backward
+  pass: not where a later op overwrites it (an in-place ReLU or residual add right
+  after it). gamma = 0 would make xhat unrecoverable: the kernel refuses it and the
+  replay checks gamma before every step (see `monet_like.schedule`).
+- Hardtanh / ReLU6: `hardtanh_backward(dy, x, lo, hi)` reads the input;
+  `hardtanh_backward_from_output(dy, y, lo, hi)` reads the output (the same test,
+  since y = clamp(x)). ReLU's own backward already reads its output. Where the
+  activation ran in place, input and output are one storage and nothing changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from monet_like.graph import Graph
+from monet_like.variants import Variant, register
+from monet_like.variants.sites import Uses, calls, getitems, replace, source
+
+aten = torch.ops.aten
+
+
+def _batch_norm_from_output(graph: Graph, gm: torch.fx.GraphModule) -> int:
+    ops = torch.ops.monet_like
+    uses = Uses(graph, gm)
+    changed = 0
+    for fwd in calls(gm, aten.native_batch_norm.default):
+        x, weight, bias, _mean, _var, training = fwd.args[:6]
+        items = getitems(fwd)
+        if not training or 0 not in items or 2 not in items:
+            continue
+        y, invstd = items[0], items[2]
+        if uses.written_later(y, fwd):
+            continue  # overwritten (relu_, add_): the output is gone by the backward pass
+        backward = [
+            u
+            for item in (items.get(1), invstd)
+            if item is not None
+            for u in item.users
+            if u.target == aten.native_batch_norm_backward.default
+        ]
+        for bwd in dict.fromkeys(backward):
+            grad, bx, bweight = bwd.args[:3]
+            if bx is not x and source(bx) is not source(x):
+                continue
+            mask = list(bwd.args[9]) if len(bwd.args) > 9 else [True, True, True]
+            replace(
+                gm,
+                bwd,
+                ops.batch_norm_backward_from_output.default,
+                (grad, y, bweight, bias, invstd, mask),
+            )
+            changed += 1
+    return changed
+
+
+def _hardtanh_from_output(graph: Graph, gm: torch.fx.GraphModule) -> int:
+    ops = torch.ops.monet_like
+    uses = Uses(graph, gm)
+    changed = 0
+    for fwd in calls(gm, aten.hardtanh.default):  # out of place: input and output differ
+        if uses.written_later(fwd, fwd):
+            continue
+        for bwd in [u for u in gm.graph.nodes if u.target == aten.hardtanh_backward.default]:
+            grad, x, low, high = bwd.args[:4]
+            if source(x) is not source(fwd.args[0]):
+                continue
+            replace(gm, bwd, ops.hardtanh_backward_from_output.default, (grad, fwd, low, high))
+            changed += 1
+    return changed
+
+
+register(
+    Variant(
+        name="batch_norm_from_output",
+        flag="multiway",
+        replaces="native_batch_norm_backward (training)",
+        backward_reads="the output y, gamma, beta and the saved inverse std (not the input)",
+        extra_outputs="",
+        in_place=False,
+        rewrite=_batch_norm_from_output,
+    )
+)
+register(
+    Variant(
+        name="hardtanh_from_output",
+        flag="multiway",
+        replaces="hardtanh (ReLU6) with hardtanh_backward(dy, x, lo, hi)",
+        backward_reads="the output y (not the input)",
+        extra_outputs="",
+        in_place=False,
+        rewrite=_hardtanh_from_output,
+    )
+)

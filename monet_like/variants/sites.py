@@ -1,0 +1,155 @@
+"""What the rewrites ask of a graph: which storage each fx value lives in, who touches a
+storage and when, and whether a value can be overwritten or freed early.
+
+Everything is read off the fake values (`meta["val"]`) the capture left on each fx
+node, so two views of one storage are recognised as one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten
+
+from monet_like.graph import BACKWARD, Graph
+
+
+def _keys(value: Any) -> list[StorageWeakRef]:
+    return [
+        StorageWeakRef(t.untyped_storage())
+        for t in tree_flatten(value)[0]
+        if isinstance(t, torch.Tensor)
+    ]
+
+
+class Uses:
+    """Storage-level uses of one GraphModule, in execution order."""
+
+    def __init__(self, graph: Graph, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.position: dict[str, int] = {}
+        self.touches: dict[StorageWeakRef, list[int]] = {}
+        self.placeholder_keys: set[StorageWeakRef] = set()
+        phase = {op.name: op.phase for op in graph.ops}
+        self.backward: set[str] = set()
+        for i, n in enumerate(gm.graph.nodes):
+            self.position[n.name] = i
+            if n.op == "placeholder":
+                self.placeholder_keys.update(_keys(n.meta.get("val")))
+                continue
+            if n.op == "output":
+                for k in _keys([a.meta.get("val") for a in n.all_input_nodes]):
+                    self.touches.setdefault(k, []).append(i)
+                continue
+            parent = n.args[0].name if is_getitem(n) else n.name
+            if phase.get(parent) == BACKWARD:
+                self.backward.add(n.name)
+            vals = [a.meta.get("val") for a in n.all_input_nodes] + [n.meta.get("val")]
+            for k in set(_keys(vals)):
+                self.touches.setdefault(k, []).append(i)
+
+    def key(self, node: torch.fx.Node) -> StorageWeakRef:
+        keys = _keys(node.meta.get("val"))
+        if len(keys) != 1:
+            raise ValueError(f"{node.name} does not hold exactly one tensor")
+        return keys[0]
+
+    def dead_after(self, value: torch.fx.Node, user: torch.fx.Node) -> bool:
+        """Nothing but `user` touches `value`'s storage from `user` on (no later reader,
+        writer or view, in either pass), and it is an activation: `user` may write
+        over it."""
+        k = self.key(value)
+        if k in self.placeholder_keys:
+            return False
+        at = self.position[user.name]
+        return all(i < at or i == at for i in self.touches.get(k, []))
+
+    def written_later(self, value: torch.fx.Node, after: torch.fx.Node) -> bool:
+        """Some op after `after` writes `value`'s storage in place."""
+        k = self.key(value)
+        at = self.position[after.name]
+        for n in self.gm.graph.nodes:
+            if self.position[n.name] <= at or n.op != "call_function":
+                continue
+            schema = getattr(n.target, "_schema", None)
+            if schema is None or not schema.is_mutable:
+                continue
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                v = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+                if isinstance(v, torch.fx.Node) and k in _keys(v.meta.get("val")):
+                    return True
+        return False
+
+    def in_backward(self, node: torch.fx.Node) -> bool:
+        return node.name in self.backward
+
+
+def is_getitem(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__name__", "") == "getitem"
+
+
+def getitems(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
+    """Index -> getitem node, for an op with several outputs."""
+    return {u.args[1]: u for u in node.users if is_getitem(u)}
+
+
+def calls(gm: torch.fx.GraphModule, target: Any) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
+
+
+def source(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow view ops (alias, view, ...) back to the op that produced the storage."""
+    seen = node
+    while (
+        seen.op == "call_function"
+        and not is_getitem(seen)
+        and torch.Tag.view_copy not in getattr(seen.target, "tags", ())
+        and getattr(getattr(seen.target, "_schema", None), "returns", None)
+        and seen.target._schema.returns[0].alias_info is not None
+        and not seen.target._schema.is_mutable
+        and seen.args
+        and isinstance(seen.args[0], torch.fx.Node)
+    ):
+        seen = seen.args[0]
+    return seen
+
+
+def args_with_defaults(node: torch.fx.Node) -> list[Any]:
+    """The node's positional arguments, completed with its schema's defaults."""
+    schema = node.target._schema
+    out = list(node.args)
+    for arg in schema.arguments[len(out) :]:
+        if arg.name in node.kwargs:
+            out.append(node.kwargs[arg.name])
+        elif arg.has_default_value():
+            out.append(arg.default_value)
+        else:
+            raise ValueError(f"{node.name}: no value for {arg.name}")
+    return out
+
+
+def replace(
+    gm: torch.fx.GraphModule, old: torch.fx.Node, target: Any, args: tuple, kwargs=None
+) -> torch.fx.Node:
+    """Insert `target(*args)` where `old` is, hand it `old`'s users, erase `old`. The new
+    node keeps `old`'s meta (seq_nr, module path): the backward attribution holds."""
+    with gm.graph.inserting_before(old):
+        new = gm.graph.call_function(target, args, kwargs or {})
+    new.meta = {k: v for k, v in old.meta.items() if k != "val"}
+    old.replace_all_uses_with(new)
+    gm.graph.erase_node(old)
+    return new
+
+
+def insert_after(
+    gm: torch.fx.GraphModule, anchor: torch.fx.Node, target: Any, args: tuple, like: torch.fx.Node
+) -> torch.fx.Node:
+    """Insert `target(*args)` right after `anchor`, with `like`'s meta (its forward seq_nr)."""
+    with gm.graph.inserting_after(anchor):
+        new = gm.graph.call_function(target, args, {})
+    new.meta = {k: v for k, v in like.meta.items() if k != "val"}
+    return new
