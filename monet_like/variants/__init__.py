@@ -125,6 +125,7 @@ def copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A GraphModule with its own nodes (their meta copied shallowly), so that rewriting
     it leaves the original graph intact."""
     g = torch.fx.Graph()
+    g._codegen = copy.deepcopy(gm.graph._codegen)  # make_fx's pytree calling convention
     out = g.graph_copy(gm.graph, {})
     g.output(out)
     return torch.fx.GraphModule(gm, g)

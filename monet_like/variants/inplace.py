@@ -24,8 +24,6 @@ aten = torch.ops.aten
 
 
 def _overwritable(value, node, uses: Uses) -> bool:
-    from torch._prims_common import is_non_overlapping_and_dense
-
     if not isinstance(value, torch.fx.Node):
         return False
     t, out = value.meta.get("val"), node.meta.get("val")
@@ -34,7 +32,7 @@ def _overwritable(value, node, uses: Uses) -> bool:
     return (
         t.shape == out.shape
         and t.dtype == out.dtype
-        and is_non_overlapping_and_dense(t)
+        and (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last))
         and uses.dead_after(value, node)
     )
 

@@ -71,7 +71,7 @@ class Uses:
         k = self.key(value)
         at = self.position[after.name]
         for n in self.gm.graph.nodes:
-            if self.position[n.name] <= at or n.op != "call_function":
+            if self.position.get(n.name, -1) <= at or n.op != "call_function":
                 continue
             schema = getattr(n.target, "_schema", None)
             if schema is None or not schema.is_mutable:

@@ -1,0 +1,620 @@
+// Memory-lean CPU variants of a few aten ops, registered as torch.ops.monet_like.*.
+//
+// They let a replayed training step keep less: a 1-bit ReLU mask instead of the
+// activation, a 1-byte max-pool index instead of an int64 one, BatchNorm and
+// hardtanh backward from the output instead of the input, and a BatchNorm forward
+// that overwrites its input. Each matches the aten op it replaces (bitwise where
+// the aten kernel's order of operations can be followed, see the comments).
+
+#ifdef MONET_LIKE_PYTHON_MODULE
+// setup.py builds this file as the Python module monet_like._C; importing it runs
+// the registrations below. The JIT build loads it as a plain shared library.
+#include <Python.h>
+#endif
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace monet_like {
+namespace {
+
+// Elements per parallel task: below this, threads cost more than they save.
+constexpr int64_t kGrain = 32768;
+
+int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, work_per_item));
+}
+
+// ---------------------------------------------------------------------------
+// ReLU with a bit mask
+
+at::Tensor relu_mask(const at::Tensor& self) {
+  const at::Tensor x = self.contiguous();
+  const int64_t n = x.numel();
+  const int64_t nbytes = (n + 7) / 8;
+  at::Tensor mask = at::empty({nbytes}, x.options().dtype(at::kByte));
+  uint8_t* m = mask.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "relu_mask", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* p = x.const_data_ptr<scalar_t>();
+    at::parallel_for(0, nbytes, kGrain / 8, [&](int64_t b0, int64_t b1) {
+      for (int64_t j = b0; j < b1; ++j) {
+        const int64_t base = 8 * j;
+        const int64_t count = std::min<int64_t>(8, n - base);
+        uint8_t byte = 0;
+        for (int64_t i = 0; i < count; ++i) {
+          // threshold_backward zeroes where y <= 0, so NaN keeps its gradient.
+          const opmath_t v = static_cast<opmath_t>(p[base + i]);
+          byte |= static_cast<uint8_t>(!(v <= opmath_t(0))) << i;
+        }
+        m[j] = byte;
+      }
+    });
+  });
+  return mask;
+}
+
+// An unsigned integer as wide as a floating type. Masking an element's bits copies
+// or zeroes it without a branch (so the loop vectorizes; the data-dependent branch
+// mispredicts half the time) and exactly (NaN payloads, signed zeros).
+template <size_t N>
+struct UintOf;
+template <>
+struct UintOf<2> {
+  using type = uint16_t;
+};
+template <>
+struct UintOf<4> {
+  using type = uint32_t;
+};
+template <>
+struct UintOf<8> {
+  using type = uint64_t;
+};
+template <typename T>
+using uint_of_t = typename UintOf<sizeof(T)>::type;
+
+// For each mask byte, the 8 element masks it stands for (all ones where the bit is set).
+template <typename U>
+struct ByteMasks {
+  std::array<std::array<U, 8>, 256> masks;
+  ByteMasks() {
+    for (uint32_t byte = 0; byte < 256; ++byte) {
+      for (uint32_t i = 0; i < 8; ++i) {
+        masks[byte][i] = ((byte >> i) & 1u) ? static_cast<U>(~U(0)) : U(0);
+      }
+    }
+  }
+};
+
+template <typename U>
+void copy_where_bit(const U* gp, const uint8_t* mp, U* op, int64_t n) {
+  static const ByteMasks<U> table;  // a table lookup beats 8 shifts per byte
+  const int64_t nbytes = (n + 7) / 8;
+  const auto* masks = table.masks.data();
+  at::parallel_for(0, nbytes, kGrain / 8, [=](int64_t b0, int64_t b1) {
+    for (int64_t j = b0; j < b1; ++j) {
+      const U* __restrict__ src = gp + 8 * j;
+      U* __restrict__ dst = op + 8 * j;
+      const uint32_t byte = mp[j];
+      const int64_t count = std::min<int64_t>(8, n - 8 * j);
+      if (count == 8) {
+        const U* __restrict__ m = masks[byte].data();
+        for (int i = 0; i < 8; ++i) {
+          dst[i] = src[i] & m[i];
+        }
+      } else {
+        for (int64_t i = 0; i < count; ++i) {
+          dst[i] = src[i] & static_cast<U>(U(0) - static_cast<U>((byte >> i) & 1u));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor relu_backward_mask(const at::Tensor& grad_output, const at::Tensor& mask) {
+  TORCH_CHECK(mask.scalar_type() == at::kByte, "relu_backward_mask: mask must be uint8, got ",
+              mask.scalar_type());
+  TORCH_CHECK(at::isFloatingType(grad_output.scalar_type()),
+              "relu_backward_mask: grad_output must be floating point, got ",
+              grad_output.scalar_type());
+  const at::Tensor g = grad_output.contiguous();
+  const at::Tensor mk = mask.contiguous();
+  const int64_t n = g.numel();
+  const int64_t nbytes = (n + 7) / 8;
+  TORCH_CHECK(mk.numel() == nbytes, "relu_backward_mask: mask has ", mk.numel(),
+              " bytes, but grad_output has ", n, " elements (needs ", nbytes, ")");
+  at::Tensor out = at::empty(g.sizes(), g.options());
+  const uint8_t* mp = mk.const_data_ptr<uint8_t>();
+  // Only the element width matters: a set bit copies the gradient's bits.
+  switch (g.element_size()) {
+    case 2:
+      copy_where_bit(static_cast<const uint16_t*>(g.const_data_ptr()), mp,
+                     static_cast<uint16_t*>(out.data_ptr()), n);
+      break;
+    case 4:
+      copy_where_bit(static_cast<const uint32_t*>(g.const_data_ptr()), mp,
+                     static_cast<uint32_t*>(out.data_ptr()), n);
+      break;
+    case 8:
+      copy_where_bit(static_cast<const uint64_t*>(g.const_data_ptr()), mp,
+                     static_cast<uint64_t*>(out.data_ptr()), n);
+      break;
+    default:
+      TORCH_CHECK(false, "relu_backward_mask: unsupported dtype ", g.scalar_type());
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Max pooling with a 1-byte index (position inside the window, kh * kW + kw)
+
+struct Pool2d {
+  int64_t kH, kW, sH, sW, pH, pW, dH, dW;
+  bool ceil_mode;
+};
+
+// aten accepts one value for both dims, and an empty stride for "same as kernel".
+int64_t pick(at::IntArrayRef v, size_t i, const char* what) {
+  TORCH_CHECK(v.size() == 1 || v.size() == 2, "max_pool2d_compact: ", what,
+              " must have one or two values, got ", v.size());
+  return v.size() == 1 ? v[0] : v[i];
+}
+
+Pool2d pool_params(at::IntArrayRef kernel_size, at::IntArrayRef stride, at::IntArrayRef padding,
+                   at::IntArrayRef dilation, bool ceil_mode) {
+  Pool2d p{};
+  p.kH = pick(kernel_size, 0, "kernel_size");
+  p.kW = pick(kernel_size, 1, "kernel_size");
+  p.sH = stride.empty() ? p.kH : pick(stride, 0, "stride");
+  p.sW = stride.empty() ? p.kW : pick(stride, 1, "stride");
+  p.pH = pick(padding, 0, "padding");
+  p.pW = pick(padding, 1, "padding");
+  p.dH = pick(dilation, 0, "dilation");
+  p.dW = pick(dilation, 1, "dilation");
+  p.ceil_mode = ceil_mode;
+  TORCH_CHECK(p.kH > 0 && p.kW > 0, "max_pool2d_compact: kernel size must be positive");
+  TORCH_CHECK(p.sH > 0 && p.sW > 0, "max_pool2d_compact: stride must be positive");
+  TORCH_CHECK(p.dH > 0 && p.dW > 0, "max_pool2d_compact: dilation must be positive");
+  TORCH_CHECK(p.pH >= 0 && p.pW >= 0, "max_pool2d_compact: padding must be non-negative");
+  TORCH_CHECK(p.pH <= ((p.kH - 1) * p.dH + 1) / 2 && p.pW <= ((p.kW - 1) * p.dW + 1) / 2,
+              "max_pool2d_compact: padding should be at most half of the effective kernel size");
+  TORCH_CHECK(p.kH * p.kW <= 256, "max_pool2d_compact: a ", p.kH, "x", p.kW,
+              " window has more than 256 positions, which a uint8 index cannot name; "
+              "use aten.max_pool2d_with_indices for it");
+  return p;
+}
+
+int64_t floor_div(int64_t a, int64_t b) {
+  const int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+// The output-size rule of aten's pooling_output_shape, ceil_mode included.
+int64_t pool_out_size(int64_t in, int64_t k, int64_t pad, int64_t stride, int64_t dil,
+                      bool ceil_mode) {
+  int64_t out = floor_div(in + 2 * pad - dil * (k - 1) - 1 + (ceil_mode ? stride - 1 : 0),
+                          stride) + 1;
+  if (ceil_mode && (out - 1) * stride >= in + pad) {
+    --out;  // the last window must start inside the input or its left padding
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> max_pool2d_compact(const at::Tensor& self,
+                                                      at::IntArrayRef kernel_size,
+                                                      at::IntArrayRef stride,
+                                                      at::IntArrayRef padding,
+                                                      at::IntArrayRef dilation, bool ceil_mode) {
+  TORCH_CHECK(self.dim() == 3 || self.dim() == 4,
+              "max_pool2d_compact: expected a 3-D (C, H, W) or 4-D (N, C, H, W) input, got ",
+              self.dim(), "-D");
+  const Pool2d p = pool_params(kernel_size, stride, padding, dilation, ceil_mode);
+  const int64_t H = self.size(-2), W = self.size(-1);
+  const int64_t OH = pool_out_size(H, p.kH, p.pH, p.sH, p.dH, ceil_mode);
+  const int64_t OW = pool_out_size(W, p.kW, p.pW, p.sW, p.dW, ceil_mode);
+  TORCH_CHECK(OH >= 1 && OW >= 1, "max_pool2d_compact: input ", H, "x", W,
+              " is too small for the window; output would be ", OH, "x", OW);
+  const int64_t planes = self.dim() == 4 ? self.size(0) * self.size(1) : self.size(0);
+
+  const at::Tensor x = self.contiguous();
+  std::vector<int64_t> out_sizes(self.sizes().begin(), self.sizes().end());
+  out_sizes[out_sizes.size() - 2] = OH;
+  out_sizes[out_sizes.size() - 1] = OW;
+  at::Tensor out = at::empty(out_sizes, x.options());
+  at::Tensor idx = at::empty(out_sizes, x.options().dtype(at::kByte));
+  if (out.numel() == 0) {
+    return std::make_tuple(out, idx);
+  }
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "max_pool2d_compact", [&] {
+        using opmath_t = at::opmath_type<scalar_t>;
+        const scalar_t* in = x.const_data_ptr<scalar_t>();
+        scalar_t* op = out.data_ptr<scalar_t>();
+        uint8_t* ip = idx.data_ptr<uint8_t>();
+        at::parallel_for(0, planes, grain_for(OH * OW * p.kH * p.kW), [&](int64_t c0, int64_t c1) {
+          for (int64_t c = c0; c < c1; ++c) {
+            const scalar_t* plane = in + c * H * W;
+            scalar_t* oplane = op + c * OH * OW;
+            uint8_t* iplane = ip + c * OH * OW;
+            for (int64_t oh = 0; oh < OH; ++oh) {
+              // Same window walk as aten's cpu_max_pool: clip the end, step the start
+              // past the top padding by whole dilations.
+              int64_t ih0 = oh * p.sH - p.pH;
+              const int64_t ih1 = std::min(ih0 + (p.kH - 1) * p.dH + 1, H);
+              int64_t kh0 = 0;
+              while (ih0 < 0) {
+                ih0 += p.dH;
+                ++kh0;
+              }
+              for (int64_t ow = 0; ow < OW; ++ow) {
+                int64_t iw0 = ow * p.sW - p.pW;
+                const int64_t iw1 = std::min(iw0 + (p.kW - 1) * p.dW + 1, W);
+                int64_t kw0 = 0;
+                while (iw0 < 0) {
+                  iw0 += p.dW;
+                  ++kw0;
+                }
+                // aten starts from -inf at the window's first in-bounds element and
+                // takes an element when val > max or val is NaN (so the last NaN wins).
+                opmath_t best = -std::numeric_limits<opmath_t>::infinity();
+                int64_t best_k = std::min(kh0, p.kH - 1) * p.kW + std::min(kw0, p.kW - 1);
+                int64_t kh = kh0;
+                for (int64_t ih = ih0; ih < ih1; ih += p.dH, ++kh) {
+                  const scalar_t* row = plane + ih * W;
+                  int64_t kw = kw0;
+                  for (int64_t iw = iw0; iw < iw1; iw += p.dW, ++kw) {
+                    const opmath_t v = static_cast<opmath_t>(row[iw]);
+                    if (v > best || std::isnan(v)) {
+                      best = v;
+                      best_k = kh * p.kW + kw;
+                    }
+                  }
+                }
+                oplane[oh * OW + ow] = static_cast<scalar_t>(best);
+                iplane[oh * OW + ow] = static_cast<uint8_t>(best_k);
+              }
+            }
+          }
+        });
+      });
+  return std::make_tuple(out, idx);
+}
+
+at::Tensor max_pool2d_compact_backward(const at::Tensor& grad_output, const at::Tensor& indices,
+                                       at::IntArrayRef input_size, at::IntArrayRef kernel_size,
+                                       at::IntArrayRef stride, at::IntArrayRef padding,
+                                       at::IntArrayRef dilation, bool ceil_mode) {
+  TORCH_CHECK(input_size.size() == 3 || input_size.size() == 4,
+              "max_pool2d_compact_backward: input_size must have 3 or 4 entries, got ",
+              input_size.size());
+  TORCH_CHECK(grad_output.dim() == static_cast<int64_t>(input_size.size()),
+              "max_pool2d_compact_backward: grad_output has ", grad_output.dim(),
+              " dims but input_size has ", input_size.size());
+  TORCH_CHECK(indices.scalar_type() == at::kByte,
+              "max_pool2d_compact_backward: indices must be uint8, got ", indices.scalar_type());
+  TORCH_CHECK(indices.sizes() == grad_output.sizes(),
+              "max_pool2d_compact_backward: indices ", indices.sizes(),
+              " and grad_output ", grad_output.sizes(), " differ in shape");
+  const Pool2d p = pool_params(kernel_size, stride, padding, dilation, ceil_mode);
+  const size_t nd = input_size.size();
+  const int64_t H = input_size[nd - 2], W = input_size[nd - 1];
+  const int64_t OH = grad_output.size(-2), OW = grad_output.size(-1);
+  TORCH_CHECK(OH == pool_out_size(H, p.kH, p.pH, p.sH, p.dH, ceil_mode) &&
+                  OW == pool_out_size(W, p.kW, p.pW, p.sW, p.dW, ceil_mode),
+              "max_pool2d_compact_backward: grad_output ", grad_output.sizes(),
+              " does not match pooling an input of size ", input_size);
+  for (size_t d = 0; d + 2 < nd; ++d) {
+    TORCH_CHECK(grad_output.size(d) == input_size[d],
+                "max_pool2d_compact_backward: grad_output ", grad_output.sizes(),
+                " and input_size ", input_size, " differ in the leading dims");
+  }
+  const int64_t planes = nd == 4 ? input_size[0] * input_size[1] : input_size[0];
+
+  const at::Tensor g = grad_output.contiguous();
+  const at::Tensor id = indices.contiguous();
+  at::Tensor grad_input = at::zeros(input_size, g.options());
+  if (g.numel() == 0) {
+    return grad_input;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, g.scalar_type(), "max_pool2d_compact_backward", [&] {
+        const scalar_t* gp = g.const_data_ptr<scalar_t>();
+        const uint8_t* ip = id.const_data_ptr<uint8_t>();
+        scalar_t* gi = grad_input.data_ptr<scalar_t>();
+        // Row and column offset of each window position: no integer division in the
+        // loop. Positions past the window (a corrupt index) land out of bounds.
+        std::array<int64_t, 256> off_h, off_w;
+        off_h.fill(std::numeric_limits<int32_t>::max());
+        off_w.fill(0);
+        for (int64_t k = 0; k < p.kH * p.kW; ++k) {
+          off_h[k] = (k / p.kW) * p.dH;
+          off_w[k] = (k % p.kW) * p.dW;
+        }
+        at::parallel_for(0, planes, grain_for(OH * OW), [&](int64_t c0, int64_t c1) {
+          for (int64_t c = c0; c < c1; ++c) {
+            const scalar_t* gplane = gp + c * OH * OW;
+            const uint8_t* iplane = ip + c * OH * OW;
+            scalar_t* giplane = gi + c * H * W;
+            // Row-major over the output and accumulating in scalar_t, as aten's
+            // cpu_max_pool_backward does, so overlapping windows sum identically.
+            for (int64_t oh = 0; oh < OH; ++oh) {
+              for (int64_t ow = 0; ow < OW; ++ow) {
+                const uint8_t k = iplane[oh * OW + ow];
+                const int64_t ih = oh * p.sH - p.pH + off_h[k];
+                const int64_t iw = ow * p.sW - p.pW + off_w[k];
+                // Out of bounds only for a window that lies wholly in the padding.
+                if (ih >= 0 && ih < H && iw >= 0 && iw < W) {
+                  giplane[ih * W + iw] += gplane[oh * OW + ow];
+                }
+              }
+            }
+          }
+        });
+      });
+  return grad_input;
+}
+
+// ---------------------------------------------------------------------------
+// BatchNorm (training mode)
+
+// Per-channel parameter as doubles, or `fill` when absent.
+std::vector<double> channel_values(const std::optional<at::Tensor>& t, int64_t C, double fill,
+                                   const char* op, const char* what) {
+  std::vector<double> v(C, fill);
+  if (t.has_value() && t->defined()) {
+    TORCH_CHECK(t->numel() == C, op, ": ", what, " has ", t->numel(), " elements, expected ", C);
+    const at::Tensor d = t->to(at::kDouble).contiguous();
+    std::copy(d.const_data_ptr<double>(), d.const_data_ptr<double>() + C, v.begin());
+  }
+  return v;
+}
+
+// Sums over long rows in double use kLanes independent partial sums: one running
+// sum is bound by the latency of an add per element, independent lanes vectorize.
+constexpr int kLanes = 8;
+
+// Calls body(i, lane) for i in [0, len), lane = the partial sum i adds to.
+template <typename F>
+inline void for_lanes(int64_t len, const F& body) {
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      body(i + l, l);
+    }
+  }
+  for (; i < len; ++i) {
+    body(i, 0);
+  }
+}
+
+inline double lanes_total(const double* acc) {
+  double t = 0.0;
+  for (int l = 0; l < kLanes; ++l) {
+    t += acc[l];
+  }
+  return t;
+}
+
+bool defined(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+at::Tensor double_vector(const std::vector<double>& v) {
+  return at::tensor(at::ArrayRef<double>(v), at::TensorOptions().dtype(at::kDouble));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_from_output(
+    const at::Tensor& grad_output, const at::Tensor& output,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& save_invstd, std::array<bool, 3> output_mask) {
+  const char* op = "batch_norm_backward_from_output";
+  TORCH_CHECK(output.dim() >= 2, op, ": expected at least 2 dims (N, C, ...), got ",
+              output.dim());
+  TORCH_CHECK(grad_output.sizes() == output.sizes(), op, ": grad_output ", grad_output.sizes(),
+              " and output ", output.sizes(), " differ in shape");
+  TORCH_CHECK(grad_output.scalar_type() == output.scalar_type(), op,
+              ": grad_output and output differ in dtype");
+  const int64_t N = output.size(0), C = output.size(1);
+  const int64_t S = (N * C) == 0 ? 0 : output.numel() / (N * C);
+  const std::vector<double> w = channel_values(weight, C, 1.0, op, "weight");
+  const std::vector<double> b = channel_values(bias, C, 0.0, op, "bias");
+  const std::vector<double> invstd = channel_values(save_invstd, C, 0.0, op, "save_invstd");
+  if (output_mask[0] || output_mask[1]) {
+    for (int64_t c = 0; c < C; ++c) {
+      TORCH_CHECK(std::abs(w[c]) >= 1e-8, op, ": weight[", c, "] = ", w[c],
+                  "; output-activated BatchNorm needs nonzero gamma (|weight| >= 1e-8) to "
+                  "recover its input from its output");
+    }
+  }
+
+  const at::Tensor dy = grad_output.contiguous();
+  const at::Tensor y = output.contiguous();
+  const double count = static_cast<double>(N * S);
+  std::vector<double> sum_dy(C, 0.0), sum_xhat_dy(C, 0.0);
+  at::Tensor grad_input;
+  if (output_mask[0]) {
+    grad_input = at::empty(dy.sizes(), dy.options());
+  }
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "batch_norm_backward_from_output", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* dyp = dy.const_data_ptr<scalar_t>();
+    const scalar_t* yp = y.const_data_ptr<scalar_t>();
+    // Per-channel sums of dy and of xhat * dy, xhat = (y - b) / w, in double.
+    at::parallel_for(0, C, grain_for(N * S), [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        double s_dy[kLanes] = {}, s_ydy[kLanes] = {};
+        const double bc = b[c];
+        for (int64_t n = 0; n < N; ++n) {
+          const scalar_t* __restrict__ gr = dyp + (n * C + c) * S;
+          const scalar_t* __restrict__ yr = yp + (n * C + c) * S;
+          for_lanes(S, [&](int64_t i, int l) {
+            const double g = static_cast<double>(gr[i]);
+            s_dy[l] += g;
+            s_ydy[l] += (static_cast<double>(yr[i]) - bc) * g;
+          });
+        }
+        sum_dy[c] = lanes_total(s_dy);
+        sum_xhat_dy[c] = lanes_total(s_ydy) / w[c];
+      }
+    });
+    if (!output_mask[0] || count == 0) {
+      return;
+    }
+    // dx = w * invstd * (dy - mean(dy) - xhat * mean(xhat * dy)), expanded so that
+    // each element costs two multiply-adds and no division.
+    scalar_t* dxp = grad_input.data_ptr<scalar_t>();
+    at::parallel_for(0, N * C, grain_for(S), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t c = r % C;
+        const double a = w[c] * invstd[c];
+        const double k = invstd[c] * sum_xhat_dy[c] / count;
+        const auto ca = static_cast<opmath_t>(a);
+        const auto ck = static_cast<opmath_t>(-k);
+        const auto c0 = static_cast<opmath_t>(k * b[c] - a * sum_dy[c] / count);
+        const scalar_t* __restrict__ gr = dyp + r * S;
+        const scalar_t* __restrict__ yr = yp + r * S;
+        scalar_t* __restrict__ dx = dxp + r * S;
+        for (int64_t s = 0; s < S; ++s) {
+          const auto g = static_cast<opmath_t>(gr[s]);
+          const auto v = static_cast<opmath_t>(yr[s]);
+          dx[s] = static_cast<scalar_t>(ca * g + ck * v + c0);
+        }
+      }
+    });
+  });
+
+  // Parameter gradients take the weight's dtype, as aten's do (float for a
+  // bfloat16 input with float weights).
+  const at::ScalarType param_dtype = defined(weight) ? weight->scalar_type() : dy.scalar_type();
+  at::Tensor grad_weight, grad_bias;
+  if (output_mask[1]) {
+    grad_weight = double_vector(sum_xhat_dy).to(dy.options().dtype(param_dtype));
+  }
+  if (output_mask[2]) {
+    grad_bias = double_vector(sum_dy).to(dy.options().dtype(param_dtype));
+  }
+  return std::make_tuple(grad_input, grad_weight, grad_bias);
+}
+
+// Stats dtype: the input's, but float for half / bfloat16 inputs.
+at::ScalarType stats_dtype(at::ScalarType input) {
+  return (input == at::kHalf || input == at::kBFloat16) ? at::kFloat : input;
+}
+
+std::tuple<at::Tensor, at::Tensor> batch_norm_inplace_(
+    at::Tensor& self, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var, double momentum, double eps) {
+  const char* op = "batch_norm_inplace_";
+  TORCH_CHECK(self.dim() >= 2, op, ": expected at least 2 dims (N, C, ...), got ", self.dim());
+  TORCH_CHECK(self.numel() > 0, op, ": no values per channel");
+  // aten's own CPU batch norm with its output aimed at its input: it gathers the
+  // statistics in a first pass and then maps every element onto itself, so writing
+  // over the input is safe, and the result (output, saved and running statistics) is
+  // bitwise that of native_batch_norm. A kernel of our own differed by ~1e-7, which
+  // the following BatchNorms of a deep net amplified to 1e-3 in the gradients.
+  at::Tensor save_mean = at::empty({0}, self.options());
+  at::Tensor save_invstd = at::empty({0}, self.options());
+  at::native_batch_norm_out(self, save_mean, save_invstd, self, weight, bias, running_mean,
+                            running_var, /*training=*/true, momentum, eps);
+  return std::make_tuple(save_mean, save_invstd);
+}
+
+// ---------------------------------------------------------------------------
+// Hardtanh backward from the output
+
+at::Tensor hardtanh_backward_from_output(const at::Tensor& grad_output, const at::Tensor& output,
+                                         const at::Scalar& min_val, const at::Scalar& max_val) {
+  TORCH_CHECK(grad_output.sizes() == output.sizes(),
+              "hardtanh_backward_from_output: grad_output ", grad_output.sizes(), " and output ",
+              output.sizes(), " differ in shape");
+  TORCH_CHECK(grad_output.scalar_type() == output.scalar_type(),
+              "hardtanh_backward_from_output: grad_output and output differ in dtype");
+  const at::Tensor g = grad_output.contiguous();
+  const at::Tensor y = output.contiguous();
+  at::Tensor out = at::empty(g.sizes(), g.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, g.scalar_type(), "hardtanh_backward_from_output", [&] {
+        // aten's hardtanh_backward passes dy only where lo < x < hi (NaN gives 0); for
+        // y = clamp(x) that is lo < y < hi, since y sits on a bound exactly when x was
+        // on or past it. Compared in opmath, as aten does.
+        using opmath_t = at::opmath_type<scalar_t>;
+        using U = uint_of_t<scalar_t>;
+        const auto lo = min_val.to<opmath_t>();
+        const auto hi = max_val.to<opmath_t>();
+        const U* gp = static_cast<const U*>(g.const_data_ptr());
+        const scalar_t* yp = y.const_data_ptr<scalar_t>();
+        U* op = static_cast<U*>(out.data_ptr());
+        at::parallel_for(0, g.numel(), kGrain, [=](int64_t i0, int64_t i1) {
+          const U* __restrict__ src = gp;
+          const scalar_t* __restrict__ ys = yp;
+          U* __restrict__ dst = op;
+          for (int64_t i = i0; i < i1; ++i) {
+            const auto v = static_cast<opmath_t>(ys[i]);
+            const auto inside = static_cast<U>((v > lo) & (v < hi));
+            dst[i] = src[i] & static_cast<U>(U(0) - inside);
+          }
+        });
+      });
+  return out;
+}
+
+}  // namespace
+}  // namespace monet_like
+
+TORCH_LIBRARY(monet_like, m) {
+  // Fake (meta) kernels and autograd live in Python, in monet_like.kernels.
+  m.set_python_module("monet_like.kernels");
+  m.def("relu_mask(Tensor self) -> Tensor");
+  m.def("relu_backward_mask(Tensor grad_output, Tensor mask) -> Tensor");
+  m.def(
+      "max_pool2d_compact(Tensor self, int[2] kernel_size, int[2] stride, int[2] padding, "
+      "int[2] dilation, bool ceil_mode) -> (Tensor, Tensor)");
+  m.def(
+      "max_pool2d_compact_backward(Tensor grad_output, Tensor indices, SymInt[] input_size, "
+      "int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation, bool ceil_mode) "
+      "-> Tensor");
+  m.def(
+      "batch_norm_backward_from_output(Tensor grad_output, Tensor output, Tensor? weight, "
+      "Tensor? bias, Tensor save_invstd, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "hardtanh_backward_from_output(Tensor grad_output, Tensor output, Scalar min_val, "
+      "Scalar max_val) -> Tensor");
+  m.def(
+      "batch_norm_inplace_(Tensor(a!) self, Tensor? weight, Tensor? bias, "
+      "Tensor(b!)? running_mean, Tensor(c!)? running_var, float momentum, float eps) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(monet_like, CPU, m) {
+  m.impl("relu_mask", &monet_like::relu_mask);
+  m.impl("relu_backward_mask", &monet_like::relu_backward_mask);
+  m.impl("max_pool2d_compact", &monet_like::max_pool2d_compact);
+  m.impl("max_pool2d_compact_backward", &monet_like::max_pool2d_compact_backward);
+  m.impl("batch_norm_backward_from_output", &monet_like::batch_norm_backward_from_output);
+  m.impl("hardtanh_backward_from_output", &monet_like::hardtanh_backward_from_output);
+  m.impl("batch_norm_inplace_", &monet_like::batch_norm_inplace_);
+}
+
+#ifdef MONET_LIKE_PYTHON_MODULE
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module = {
+      PyModuleDef_HEAD_INIT, "monet_like._C",
+      "monet_like's C++ operators; importing registers torch.ops.monet_like.*", -1, nullptr,
+      nullptr, nullptr, nullptr, nullptr};
+  return PyModule_Create(&module);
+}
+#endif
