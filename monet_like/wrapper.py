@@ -93,6 +93,20 @@ class ScheduleWrapper(nn.Module):
         self._schedule = build(graph, sol)
         self._executor = Executor(graph, self._schedule)
         self._diff_index = graph.diff_outputs
+        self._gammas = _output_activated_gammas(graph, self._schedule)
+
+    def _check_gammas(self, params: list[torch.Tensor]) -> None:
+        """Output-activated BatchNorm divides by gamma; refuse the step before it runs
+        if training has driven a gamma to zero (the kernel would refuse mid-backward)."""
+        for i in self._gammas:
+            smallest = float(params[i].detach().abs().min())
+            if smallest < GAMMA_MIN:
+                name = self._graph.placeholders[i][1]
+                raise UserError(
+                    f"BatchNorm weight {name} has reached {smallest:.1e}: the output-activated"
+                    f" backward of mode {self.solution.mode!r} cannot divide by it; solve "
+                    "again without 'multiway' for this model"
+                )
 
     @property
     def batch(self) -> int:
@@ -113,6 +127,7 @@ class ScheduleWrapper(nn.Module):
             )
         params = list(self.model.parameters())
         buffers = list(self.model.buffers())
+        self._check_gammas(params)
         tensors = _Replay.apply(self._executor, buffers, self._diff_index, x, *params)
         leaves, k = [], 0
         for name in self._schedule.outputs:
@@ -122,3 +137,18 @@ class ScheduleWrapper(nn.Module):
                 leaves.append(tensors[k])
                 k += 1
         return tree_unflatten(leaves, self._graph.out_spec)
+
+
+GAMMA_MIN = 1e-8  # the smallest |gamma| batch_norm_backward_from_output accepts
+
+
+def _output_activated_gammas(graph, schedule) -> list[int]:
+    """Indices of the parameters that an output-activated BatchNorm backward divides by."""
+    index = {name: i for i, name in enumerate(schedule.placeholders[: schedule.n_params])}
+    found = []
+    for node in graph.fx.graph.nodes:
+        if str(node.target) == "monet_like.batch_norm_backward_from_output.default":
+            weight = node.args[2]
+            if isinstance(weight, torch.fx.Node) and weight.name in index:
+                found.append(index[weight.name])
+    return sorted(set(found))

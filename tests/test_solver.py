@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from monet_like.errors import UserError
 from monet_like.graph import capture
 from monet_like.models import parse_model
 from monet_like.profile import profile
@@ -16,7 +15,6 @@ from monet_like.solver import (
     DEFAULT_DEPTH,
     InfeasibleBudget,
     min_feasible_budget,
-    parse_mode,
     solve,
 )
 from monet_like.solver.milp import evaluate, formulate, is_feasible, solve_formulation
@@ -162,21 +160,6 @@ def test_compact_formulation_is_within_two_percent_of_full(expression, shape, ba
         assert compact.objective_s <= 1.02 * full.objective_s + 1e-6
         # Compact restricts full, but both stop within the solvers' 0.1% relative gap.
         assert compact.objective_s >= full.objective_s * (1 - 1e-3) - 1e-6
-
-
-def test_modes_parse_and_unbuilt_variants_say_so():
-    assert parse_mode("normal") == ("normal",)
-    for mode in (
-        "inplace_normal",
-        "conv_normal",
-        "multiway",
-        "newnode",
-        "inplace_conv_multiway_newnode",
-    ):
-        with pytest.raises(UserError, match="not built yet"):
-            parse_mode(mode)
-    with pytest.raises(UserError, match="unknown mode"):
-        parse_mode("turbo")
 
 
 def test_gurobi_when_installed():
