@@ -103,7 +103,7 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
     s_index: dict[tuple[int, int], int] = {}
     for t, c in enumerate(cand):
         for u in c:
-            if allow_recompute and not units[u].random:
+            if allow_recompute and not units[u].random and units[u].side_of is None:
                 r_index[t, u] = col
                 col += 1
             s_index[t, u] = col
@@ -171,12 +171,16 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
             terms.append((r_index[t, u], 1.0))
         return terms
 
+    side = [u.side_bytes / MIB for u in units]
     for t, stage in enumerate(stages):
         c = cand[t]
         # memory: z_t + sum_{u in C(t)} m_u (P[t,u] - keep_u) + grad bytes + constants <= B
+        # (a recomputation also rewrites the unit's side outputs: counted with it)
         terms = []
         for u in c:
-            terms += [(j, m[u] * a) for j, a in present(t, u)]
+            terms.append((s_index[t, u], m[u]))
+            if (t, u) in r_index:
+                terms.append((r_index[t, u], m[u] + side[u]))
             terms.append((keep[u], -m[u]))
         row(terms, [(z0 + t, 1.0)], 0.0, budget_const_mib=const + stage.grad_bytes / MIB)
         # ... and while recomputing before the stage: what the stage starts with, plus
@@ -540,6 +544,7 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
     units = p.units
     n_u = len(units)
     m = np.array([u.bytes for u in units], dtype=np.int64)
+    side = np.array([u.side_bytes for u in units], dtype=np.int64)
     keep = np.asarray(x_bool)[f.keep].astype(bool)
     last_fwd = np.array([u.last_forward_use for u in units], dtype=int)
     # forward unit k: units produced by k and still to be read in the forward pass, plus
@@ -572,6 +577,7 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
             + max(stage.grad_bytes, stage.start_bytes + ws)
             + int(z[t])
             + int((m[cols.units] * (present - keep[cols.units])).sum())
+            + int((side[cols.units] * recomputed).sum())
         )
         if live > peak:
             peak, where = live, f"backward stage {t}"

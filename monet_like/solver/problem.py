@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from monet_like.graph import ACTIVATION, BACKWARD, FORWARD, GRADIENT, Graph
 from monet_like.memory import last_uses
 
+SIDE_RATIO = 64  # an output this many times smaller than its node's largest is a side output
+
 
 @dataclass(frozen=True)
 class Unit:
@@ -32,6 +34,8 @@ class Unit:
     inputs: tuple[int, ...]  # units whose storages its nodes read
     last_forward_use: int  # last unit (index) that reads it in the forward pass
     random: bool = False  # holds a random op (dropout): never recomputed, only kept
+    side_of: int | None = None  # small outputs of that unit's nodes: kept, never recomputed
+    side_bytes: int = 0  # bytes of its side units, rewritten whenever it is recomputed
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,16 @@ def build_problem(graph: Graph, profile, workspace: dict[int, int] | None = None
     unit_nodes: list[list[int]] = []
     unit_storages: list[list[int]] = []
     unit_of_node: dict[int, int] = {}
+    side_of: dict[int, int] = {}  # side unit -> the unit whose recomputation rewrites it
+
+    def new_unit(nodes: list[int], acts: list[int]) -> int:
+        uid = len(unit_nodes)
+        unit_nodes.append(nodes)
+        unit_storages.append(list(acts))
+        for s in acts:
+            unit_of_storage[s] = uid
+        return uid
+
     for node in graph.nodes:
         acts = [s for s in node.outputs if storages[s].kind == ACTIVATION]
         overwritten = [
@@ -75,29 +89,34 @@ def build_problem(graph: Graph, profile, workspace: dict[int, int] | None = None
             for s in ops[node.op].outputs
             if s in unit_of_storage and s not in node.outputs
         ]
-        if acts and overwritten:
-            # Allocates and also writes an earlier unit's storage (BatchNorm run in place
-            # returns its statistics): recomputing that unit must run this node too.
+        if not acts:
+            if node.inplace and overwritten:
+                unit_nodes[overwritten[0]].append(node.id)
+                unit_of_node[node.id] = overwritten[0]
+            # else: bookkeeping on buffers or parameters (num_batches_tracked += 1): no unit
+            continue
+        # Small side outputs (BatchNorm's saved mean and inverse std) form a unit of their
+        # own, kept rather than recomputed, so that the large output can be dropped
+        # while a backward op still reads the statistics.
+        reference = max(
+            [storages[s].nbytes for s in acts]
+            + [storages[s].nbytes for u in overwritten[:1] for s in unit_storages[u]]
+        )
+        side = [s for s in acts if storages[s].nbytes * SIDE_RATIO <= reference]
+        main = [s for s in acts if s not in side]
+        if overwritten:
+            # Also writes an earlier unit's storage (BatchNorm run in place): recomputing
+            # that unit must run this node too.
             uid = overwritten[0]
             unit_nodes[uid].append(node.id)
-            unit_storages[uid].extend(acts)
-            for s in acts:
+            unit_storages[uid].extend(main)
+            for s in main:
                 unit_of_storage[s] = uid
-            unit_of_node[node.id] = uid
-            continue
-        if acts:
-            uid = len(unit_nodes)
-            unit_nodes.append([node.id])
-            unit_storages.append(acts)
-            for s in acts:
-                unit_of_storage[s] = uid
-            unit_of_node[node.id] = uid
-            continue
-        written = [unit_of_storage[s] for s in ops[node.op].outputs if s in unit_of_storage]
-        if node.inplace and written:
-            unit_nodes[written[0]].append(node.id)
-            unit_of_node[node.id] = written[0]
-        # else: bookkeeping on buffers or parameters (num_batches_tracked += 1): no unit
+        else:
+            uid = new_unit([node.id], main)
+        unit_of_node[node.id] = uid
+        if side:
+            side_of[new_unit([], side)] = uid
 
     n_units = len(unit_nodes)
     inputs: list[set[int]] = [set() for _ in range(n_units)]
@@ -117,10 +136,17 @@ def build_problem(graph: Graph, profile, workspace: dict[int, int] | None = None
             storages=tuple(unit_storages[uid]),
             bytes=sum(storages[s].nbytes for s in unit_storages[uid]),
             recompute_s=sum(node_time.get(n, 0.0) for n in nids),
-            workspace_bytes=max(workspace.get(graph.nodes[n].op, 0) for n in nids),
+            workspace_bytes=max((workspace.get(graph.nodes[n].op, 0) for n in nids), default=0),
             inputs=tuple(sorted(inputs[uid])),
             last_forward_use=last_fwd[uid],
             random=any(ops[i].random for n in nids for i in graph.nodes[n].ops),
+            side_of=side_of.get(uid),
+            side_bytes=sum(
+                storages[s].nbytes
+                for side, main in side_of.items()
+                if main == uid
+                for s in unit_storages[side]
+            ),
         )
         for uid, nids in enumerate(unit_nodes)
     ]

@@ -77,7 +77,7 @@ def greedy_start(f: Formulation, budget_bytes: int, passes: int = 3) -> np.ndarr
     x = _fit(f, kept)
     peak = evaluate(f, x)["peak_bytes"]
     order = sorted(
-        (u.id for u in units if not u.random),
+        (u.id for u in units if not u.random and u.side_of is None),
         key=lambda u: units[u].bytes / (units[u].recompute_s + 1e-9),
         reverse=True,
     )

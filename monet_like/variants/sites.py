@@ -104,16 +104,7 @@ def calls(gm: torch.fx.GraphModule, target: Any) -> list[torch.fx.Node]:
 def source(node: torch.fx.Node) -> torch.fx.Node:
     """Follow view ops (alias, view, ...) back to the op that produced the storage."""
     seen = node
-    while (
-        seen.op == "call_function"
-        and not is_getitem(seen)
-        and torch.Tag.view_copy not in getattr(seen.target, "tags", ())
-        and getattr(getattr(seen.target, "_schema", None), "returns", None)
-        and seen.target._schema.returns[0].alias_info is not None
-        and not seen.target._schema.is_mutable
-        and seen.args
-        and isinstance(seen.args[0], torch.fx.Node)
-    ):
+    while _is_view(seen) and seen.args and isinstance(seen.args[0], torch.fx.Node):
         seen = seen.args[0]
     return seen
 
@@ -141,8 +132,23 @@ def replace(
         new = gm.graph.call_function(target, args, kwargs or {})
     new.meta = {k: v for k, v in old.meta.items() if k != "val"}
     old.replace_all_uses_with(new)
+    inputs = old.all_input_nodes
     gm.graph.erase_node(old)
+    for value in inputs:  # the alias through which autograd handed over a saved value
+        if not value.users and _is_view(value):
+            gm.graph.erase_node(value)
     return new
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return (
+        node.op == "call_function"
+        and schema is not None
+        and not schema.is_mutable
+        and bool(schema.returns)
+        and schema.returns[0].alias_info is not None
+    )
 
 
 def insert_after(

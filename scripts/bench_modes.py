@@ -1,0 +1,118 @@
+"""MONeT's modes compared: smallest feasible budget and predicted overhead per mode.
+
+For each model at MONeT's batch size and each mode (normal, inplace, multiway,
+newnode, and all three together; `conv` is not built), the graph is rewritten with
+the mode's variants, profiled on this machine (each mode's own ops timed), and
+solved with HiGHS: the smallest feasible budget (the min-memory problem), then the
+predicted overhead over the normal store-all step at each budget. Writes a CSV and
+a PNG.
+
+    python scripts/bench_modes.py [--models resnet50,mobilenet_v2] [--budgets 10,8,6,5]
+        [--modes normal,inplace,multiway,newnode,inplace_multiway_newnode] [--out out/]
+"""
+
+import argparse
+import os
+import time
+import warnings
+
+import pandas as pd
+
+from monet_like.graph import capture
+from monet_like.models import parse_model
+from monet_like.profile import profile
+from monet_like.solver import DEFAULT_DEPTH, InfeasibleBudget, min_feasible_budget, solve
+from monet_like.solver.problem import build_problem
+from monet_like.variants import apply
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+GIB = 2**30
+# name: (expression, per-sample input shape, MONeT's batch, batch to profile at on this CPU)
+MODELS = {
+    "resnet50": ("torchvision.models.resnet50()", (3, 224, 224), 184, 4),
+    "googlenet": ("torchvision.models.googlenet()", (3, 224, 224), 320, 4),
+    "mobilenet_v2": ("torchvision.models.mobilenet_v2()", (3, 224, 224), 272, 4),
+    "vgg16": ("torchvision.models.vgg16()", (3, 224, 224), 176, 4),
+    "unet": ("unet", (3, 416, 608), 11, 1),
+}
+MODES = "normal,inplace,multiway,newnode,inplace_multiway_newnode"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="resnet50")
+    ap.add_argument("--modes", default=MODES)
+    ap.add_argument("--budgets", default="10,8,6,5")
+    ap.add_argument("--time_limit", type=float, default=120)
+    ap.add_argument("--out", default="out")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    rows = []
+    for name in args.models.split(","):
+        expression, shape, batch, profile_batch = MODELS[name]
+        model = parse_model(expression).build("cpu")
+        captured = capture(model, shape, batch, model_name=expression)
+        normal_time = None
+        print(f"\n{name} batch {batch}")
+        print(
+            f"{'mode':>26s} {'store-all GB':>12s} {'smallest GB':>11s}"
+            + "".join(f" {b + ' GB':>9s}" for b in args.budgets.split(","))
+        )
+        for mode in args.modes.split(","):
+            graph = apply(captured, mode)
+            t0 = time.perf_counter()
+            prof = profile(model, graph, profile_batch=profile_batch, repeats=1, progress=False)
+            problem = build_problem(graph, prof)
+            if normal_time is None:
+                normal_time = problem.store_all_time_s  # overheads against normal eager
+            smallest = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+            row = {
+                "model": name,
+                "batch": batch,
+                "mode": mode,
+                "store_all_gb": problem.store_all_peak_bytes / GIB,
+                "smallest_gb": smallest / GIB,
+                "store_all_time_s": problem.store_all_time_s,
+                "profile_s": time.perf_counter() - t0,
+            }
+            cells = []
+            for budget in (float(b) for b in args.budgets.split(",")):
+                try:
+                    sol = solve(
+                        graph, prof, int(budget * GIB), mode=mode, time_limit=args.time_limit
+                    )
+                    overhead = sol.predicted_time_s / normal_time - 1
+                    row[f"overhead_{budget:g}gb"] = overhead
+                    cells.append(f"{overhead:+9.2%}")
+                except InfeasibleBudget:
+                    row[f"overhead_{budget:g}gb"] = None
+                    cells.append(f"{'infeas.':>9s}")
+            rows.append(row)
+            print(
+                f"{mode:>26s} {row['store_all_gb']:12.3f} {row['smallest_gb']:11.3f}"
+                + "".join(f" {c}" for c in cells),
+                flush=True,
+            )
+
+    df = pd.DataFrame(rows)
+    csv = os.path.join(args.out, "bench_modes.csv")
+    df.to_csv(csv, index=False)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (name, mode), g in df.groupby(["model", "mode"], sort=False):
+        ax.bar(f"{name}\n{mode}".replace("_", " "), g["smallest_gb"].iloc[0])
+    ax.set_ylabel("smallest feasible budget (GB)")
+    ax.tick_params(axis="x", labelsize=6)
+    fig.tight_layout()
+    png = os.path.join(args.out, "bench_modes.png")
+    fig.savefig(png, dpi=120)
+    print(f"\nwrote {csv} and {png}")
+
+
+if __name__ == "__main__":
+    main()
