@@ -254,12 +254,20 @@ def cmd_solve(args) -> dict:
         raise UserError(f"unknown solver {args.solver!r}: choose one of {', '.join(SOLVERS)}")
     spec, shape, dtype, device = _setup(args)
     model = spec.build("cpu").to(device)
-    graph = capture(
+    captured = capture(
         model, shape, args.batch, dtype, device, spec.expression, input_grad=args.input_grad
     )
-    graph = apply_variants(graph, args.mode)
+    graph = apply_variants(captured, args.mode)
     print(f"{graph.summary()}", flush=True)
+    if graph.sites:
+        print(f"  {_sites(graph)}", flush=True)
     prof = profile(model, graph, profile_batch=args.profile_batch, device=device)
+    # The solver weighs each variant's ops against the aten ops they replaced, timed in
+    # the captured graph, and keeps the captured graph itself where that is faster.
+    baseline = None
+    if graph.variants:
+        reference = profile(model, captured, profile_batch=args.profile_batch, device=device)
+        baseline = (captured, reference)
     budget = int(args.budget_gb * GIB)
     print(
         f"solving: budget {args.budget_gb:g} GB, mode {args.mode}, {args.solver.upper()},"
@@ -279,11 +287,15 @@ def cmd_solve(args) -> dict:
         ablation=args.ablation,
         verbose=args.verbose,
         progress=lambda line: print(f"  {line}", flush=True),
+        baseline=baseline,
     )
     # The solver's peak is a bound from its memory model; the schedule itself, run on
     # fake tensors with each op's workspace, gives the exact prediction.
     from monet_like.schedule import finalize
 
+    if baseline is not None and not sol.variants:  # the captured graph's schedule won
+        graph, prof = baseline
+        print("  the captured graph's own schedule is faster: no variant is used", flush=True)
     finalize(graph, sol, prof.workspace_by_op())
     out = args.output or os.path.join(
         args.output_dir, default_solution_name(spec.name, args.batch, args.mode, args.budget_gb)
@@ -298,7 +310,9 @@ def cmd_solve(args) -> dict:
     recomputed = sum(len(s["recompute"]) for s in sol.stages)
     print(
         f"  status {sol.status}; {sum(sol.keep)} of {len(sol.keep)} units kept,"
-        f" {recomputed} recomputations\n"
+        f" {recomputed} recomputations"
+        + (f"; {len(sol.variants_off)} variant sites turned off" if sol.variants_off else "")
+        + "\n"
         f"  predicted peak {sol.predicted_peak_bytes / GIB:.3f} GB (budget {args.budget_gb:g} GB,"
         f" store-all {sol.store_all_peak_bytes / GIB:.3f} GB, fixed part"
         f" {sol.fixed_bytes / GIB:.3f} GB)\n"
@@ -322,6 +336,17 @@ def cmd_solve(args) -> dict:
         overhead=sol.overhead,
     )
     return report
+
+
+def _sites(graph) -> str:
+    """"variants: relu_mask x17 (solver's choice), max_pool2d_compact x1"."""
+    from collections import Counter
+
+    counts = Counter((s["variant"], s["choosable"]) for s in graph.sites)
+    return "variants: " + ", ".join(
+        f"{name} x{n}" + (" (the solver's choice)" if free else "")
+        for (name, free), n in sorted(counts.items())
+    )
 
 
 def _first(sol) -> str:

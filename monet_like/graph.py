@@ -120,6 +120,10 @@ class Graph:
     diff_outputs: list[int] = field(default_factory=list, repr=False, compare=False)
     # (kind, name) of each placeholder of `fx`, in order.
     placeholders: list[tuple[str, str]] = field(default_factory=list, repr=False, compare=False)
+    # fx value name -> the storages it lives in.
+    values: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+    # Variant sites rewritten into it (monet_like.variants), as plain dicts.
+    sites: list[dict] = field(default_factory=list, repr=False, compare=False)
 
     # -- derived facts ------------------------------------------------------------
     def bytes_of(self, kind: str) -> int:
@@ -148,7 +152,7 @@ class Graph:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for key in ("fx", "out_spec", "diff_outputs", "placeholders"):
+        for key in ("fx", "out_spec", "diff_outputs", "placeholders", "values", "sites"):
             d.pop(key)
         return d
 
@@ -440,12 +444,23 @@ def derive(
         for t in _tensors(ph.meta.get("val")):
             storage_of(t, kind, name)
 
+    values: dict[str, tuple[int, ...]] = {  # fx value name -> its storages
+        ph.name: tuple(
+            storage_ids[StorageWeakRef(t.untyped_storage())] for t in _tensors(ph.meta.get("val"))
+        )
+        for ph in phs
+    }
     ops: list[Op] = []
     op_meta: list[dict] = []
     tainted = {s.id for s in storages if s.kind == SEED}  # depend on the incoming gradients
     in_backward = False
     for n in fx_nodes:
-        if n.op != "call_function" or n.target.__name__ == "getitem":
+        if n.op != "call_function":
+            continue
+        if n.target.__name__ == "getitem":  # its value is its parent's, already seen
+            values[n.name] = tuple(
+                storage_of(t, ACTIVATION, n.name)[0] for t in _tensors(n.meta.get("val"))
+            )
             continue
         reads: list[int] = []
         for arg in n.all_input_nodes:
@@ -460,6 +475,7 @@ def derive(
                 outputs.append(sid)
             if new:
                 allocates.append(sid)
+        values[n.name] = tuple(outputs)
         for arg in _written_args(n):  # an op may write an input it does not return
             for t in _tensors(arg.meta.get("val")):
                 sid, _ = storage_of(t, ACTIVATION, arg.name)
@@ -511,10 +527,10 @@ def derive(
         out_spec=out_spec,
         diff_outputs=list(diff_outputs),
         placeholders=list(placeholders),
+        values=values,
     )
     graph.fingerprint = _fingerprint(storages, ops, graph.input_grad)
     return graph
-
 
 
 def _coarsen(

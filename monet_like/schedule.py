@@ -22,6 +22,7 @@ import torch
 
 from monet_like.graph import BACKWARD, FORWARD, Graph, tangents_for
 from monet_like.solution import Solution
+from monet_like.variants import select
 
 ORIGINAL = -1  # version of a value computed in the forward pass
 # Ops that write their buffer arguments without saying so in their schema.
@@ -42,6 +43,7 @@ class Step:
 
 @dataclass
 class Schedule:
+    fx: torch.fx.GraphModule  # the module whose nodes the steps name
     steps: list[Step]
     n_forward: int  # steps[:n_forward] run in the forward pass
     free_after: list[list[tuple[str, int]]]  # values dropped after each step
@@ -63,14 +65,17 @@ def build(graph: Graph, solution: Solution) -> Schedule:
             f"the solution was solved for graph {solution.fingerprint}, this graph is "
             f"{graph.fingerprint}"
         )
-    fx_nodes = {n.name: n for n in graph.fx.graph.nodes}
+    # Variant sites the solver turned off run the aten op they replaced; the forward
+    # ops such a variant added are gone from the module, and skipped below.
+    gm = select(graph, solution.variants_off).fx
+    fx_nodes = {n.name: n for n in gm.graph.nodes}
     getitems: dict[str, list[str]] = {}
-    for n in graph.fx.graph.nodes:
+    for n in gm.graph.nodes:
         if n.op == "call_function" and getattr(n.target, "__name__", "") == "getitem":
             getitems.setdefault(n.args[0].name, []).append(n.name)
 
     def with_getitems(name: str) -> list[str]:
-        return [name, *getitems.get(name, [])]
+        return [name, *getitems.get(name, [])] if name in fx_nodes else []
 
     steps: list[Step] = []
     latest: dict[str, int] = {}
@@ -80,7 +85,7 @@ def build(graph: Graph, solution: Solution) -> Schedule:
         steps.append(Step(name, version, stage, reads))
         latest[name] = version
 
-    placeholders = [n.name for n in graph.fx.graph.nodes if n.op == "placeholder"]
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     for name in placeholders:
         latest[name] = ORIGINAL
     for op in graph.ops:
@@ -116,7 +121,7 @@ def build(graph: Graph, solution: Solution) -> Schedule:
             for name in with_getitems(graph.ops[i].name):
                 emit(name, ORIGINAL, t)
 
-    out_args = list(graph.fx.graph.output_node().args[0])
+    out_args = list(gm.graph.output_node().args[0])
     n_leaves = graph.out_spec.num_leaves
     outputs = [a.name if isinstance(a, torch.fx.Node) else None for a in out_args[:n_leaves]]
     grads = [
@@ -147,6 +152,7 @@ def build(graph: Graph, solution: Solution) -> Schedule:
     n_params = sum(1 for s in graph.storages if s.kind == "param")
     n_buffers = len(placeholders) - n_params - 1 - n_tangents
     return Schedule(
+        fx=gm,
         steps=steps,
         n_forward=n_forward,
         free_after=free_after,
@@ -178,7 +184,7 @@ class Executor:
 
     def __init__(self, graph: Graph, schedule: Schedule) -> None:
         self.schedule = schedule
-        self.fx_nodes = {n.name: n for n in graph.fx.graph.nodes}
+        self.fx_nodes = {n.name: n for n in schedule.fx.graph.nodes}
         self.on_step = None  # called after each step with its index (simulation hooks in)
         first = schedule.n_params
         self.buffer_names = set(schedule.placeholders[first : first + schedule.n_buffers])

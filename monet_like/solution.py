@@ -14,7 +14,7 @@ from pathlib import Path
 
 from monet_like import __version__
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: variants_off
 
 
 class SolutionFileError(ValueError):
@@ -51,6 +51,11 @@ class Solution:
     units: list[list[int]]  # per unit: its graph nodes
     stages: list[dict]  # per backward stage: {"unit", "ops", "recompute": [unit ids]}
     input_grad: bool = False  # the schedule also computes the input's gradient
+    # The mode's variant flags rewritten into the graph it runs on (none when the
+    # captured graph's own schedule was faster), and the sites of those the solver
+    # turned off (their replaced aten op runs instead).
+    variants: list[str] | None = None
+    variants_off: list[str] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
     library_version: str = __version__
     extra: dict = field(default_factory=dict)
@@ -62,7 +67,7 @@ class Solution:
 
     def summary(self) -> dict:
         d = asdict(self)
-        for key in ("keep", "units", "stages"):
+        for key in ("keep", "units", "stages", "variants_off"):
             d.pop(key)
         return d
 

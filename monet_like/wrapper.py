@@ -82,7 +82,9 @@ class ScheduleWrapper(nn.Module):
             sol.model,
             input_grad=sol.input_grad,
         )
-        graph = apply_variants(graph, sol.mode)
+        # The variants the schedule runs on: a mode's solve may keep the captured graph
+        # when its schedule is faster (format 1 files predate variants: none).
+        graph = apply_variants(graph, tuple(sol.variants or ()))
         if graph.fingerprint != sol.fingerprint:
             raise ScheduleMismatch(
                 f"{solution_file} was solved for another graph ({sol.model}, batch {sol.batch},"
@@ -146,7 +148,7 @@ def _output_activated_gammas(graph, schedule) -> list[int]:
     """Indices of the parameters that an output-activated BatchNorm backward divides by."""
     index = {name: i for i, name in enumerate(schedule.placeholders[: schedule.n_params])}
     found = []
-    for node in graph.fx.graph.nodes:
+    for node in schedule.fx.graph.nodes:
         if str(node.target) == "monet_like.batch_norm_backward_from_output.default":
             weight = node.args[2]
             if isinstance(weight, torch.fx.Node) and weight.name in index:

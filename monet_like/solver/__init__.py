@@ -41,6 +41,7 @@ class InfeasibleBudget(UserError):
 
 def _store_all(problem: Problem, base: dict) -> Solution:
     needed = {u for s in problem.stages for u in s.need}
+    needed |= {u for c in problem.choices for u in (*c.on_units, *c.optional_units)}
     return Solution(
         **base,
         formulation="store-all",
@@ -86,18 +87,76 @@ def solve(
     gap: float = 1e-3,
     verbose: bool = False,
     progress: Callable[[str], None] | None = None,
+    baseline=None,
 ) -> Solution:
     """Choose what to keep and what to recompute so that one step fits `budget_bytes`.
 
     `progress` receives one line per event worth showing (the start found, each
-    improved schedule where the solver reports them)."""
-    flags = parse_mode(mode)
-    missing = [f for f in flags if f not in graph.variants]
+    improved schedule where the solver reports them).
+
+    `baseline`: (captured graph, its profile), the graph before the mode's variants
+    were rewritten into `graph`. With it the solver chooses, site by site, whether a
+    variant that only changes what a backward op reads runs, or the aten op it
+    replaced; and it also solves the captured graph itself and returns whichever
+    schedule is faster (`Solution.variants` says which graph it runs on). So a mode is
+    never slower than `normal` at the same budget. Without it, every variant rewritten
+    into `graph` runs."""
+    options = dict(
+        mode=mode,
+        solver=solver,
+        time_limit=time_limit,
+        formulation=formulation,
+        depth=depth,
+        ablation=ablation,
+        gap=gap,
+        verbose=verbose,
+        progress=progress,
+    )
+    missing = [f for f in parse_mode(mode) if f not in graph.variants]
     if missing:
         raise UserError(
             f"mode {mode!r}: the graph was captured without the {', '.join(missing)} variants;"
             " rewrite it with monet_like.variants.apply(graph, mode) before profiling"
         )
+    if baseline is None or not graph.variants:
+        return _solve(graph, profile, budget_bytes, reference=None, **options)
+    captured, reference = baseline
+    try:
+        with_variants = _solve(graph, profile, budget_bytes, reference=reference, **options)
+    except InfeasibleBudget:
+        with_variants = None
+    if progress is not None:
+        progress("solving the captured graph too (no variants), to keep the faster schedule")
+    try:
+        plain = _solve(captured, reference, budget_bytes, reference=None, **options)
+    except InfeasibleBudget:
+        if with_variants is None:
+            raise
+        return with_variants
+    if with_variants is None or plain.predicted_time_s < with_variants.predicted_time_s:
+        plain.extra["chosen_over_variants"] = (
+            None if with_variants is None else with_variants.predicted_time_s
+        )
+        return plain
+    with_variants.extra["chosen_over_plain"] = plain.predicted_time_s
+    return with_variants
+
+
+def _solve(
+    graph,
+    profile,
+    budget_bytes: int,
+    mode: str,
+    solver: str,
+    time_limit: float | None,
+    formulation: str,
+    depth: int | None,
+    ablation: bool,
+    gap: float,
+    verbose: bool,
+    progress: Callable[[str], None] | None,
+    reference,
+) -> Solution:
     solver = solver.upper()
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")
@@ -107,7 +166,7 @@ def solve(
         raise UserError("the budget must be positive")
     depth = None if formulation == "full" else (depth or DEFAULT_DEPTH)
 
-    problem = build_problem(graph, profile)
+    problem = build_problem(graph, profile, reference=reference)
     base = dict(
         model=graph.model,
         fingerprint=graph.fingerprint,
@@ -123,6 +182,7 @@ def solve(
         fixed_bytes=problem.fixed_bytes,
         ablation=ablation,
         input_grad=graph.input_grad,
+        variants=list(graph.variants),
     )
     if budget_bytes >= problem.store_all_peak_bytes:
         return _store_all(problem, base)
@@ -179,6 +239,7 @@ def solve(
             f"{budget_bytes / GIB:.3f} GB (its best one needs {peak['peak_bytes'] / GIB:.3f} GB):"
             " give it more time (--time_limit) or use HIGHS"
         )
+    off = [c.site for k, c in enumerate(problem.choices) if x[f.off_col[k]]]
     stages = []
     for t, s in enumerate(problem.stages):
         rec = [u for u in f.cand[t] if (t, u) in f.r_index and x[f.r_index[t, u]]]
@@ -196,7 +257,7 @@ def solve(
         solve_time_s=raw.solve_time_s,
         predicted_peak_bytes=peak["peak_bytes"],
         predicted_peak_at=peak["peak_at"],
-        predicted_time_s=problem.store_all_time_s + raw.objective,
+        predicted_time_s=problem.store_all_time_s - problem.choice_base_s + raw.objective,
         stats={
             **f.stats,
             "start": "greedy" if start is not None else None,
@@ -208,6 +269,7 @@ def solve(
         keep=[bool(x[f.keep[u.id]]) for u in problem.units],
         units=[list(u.nodes) for u in problem.units],
         stages=stages,
+        variants_off=off,
     )
 
 

@@ -42,9 +42,9 @@ def candidates(problem: Problem, depth: int | None) -> list[list[int]]:
     """C(t): the units stage t needs and their ancestors up to `depth` steps back."""
     inputs = [u.inputs for u in problem.units]
     result = []
-    for stage in problem.stages:
-        seen = set(stage.need)
-        frontier = deque((u, 0) for u in stage.need)
+    for stage, extra in zip(problem.stages, _choice_needs(problem), strict=True):
+        seen = set(stage.need) | extra
+        frontier = deque((u, 0) for u in seen)
         while frontier:
             u, d = frontier.popleft()
             if depth is not None and d >= depth:
@@ -55,6 +55,14 @@ def candidates(problem: Problem, depth: int | None) -> list[list[int]]:
                     frontier.append((v, d + 1))
         result.append(sorted(seen))
     return result
+
+
+def _choice_needs(problem: Problem) -> list[set[int]]:
+    """Per stage, the units one option or the other of its choices needs."""
+    extra: list[set[int]] = [set() for _ in problem.stages]
+    for c in problem.choices:
+        extra[c.stage].update(c.on_units, c.off_units)
+    return extra
 
 
 @dataclass
@@ -68,6 +76,8 @@ class Formulation:
     keep: np.ndarray  # column index of keep_u
     r_index: dict[tuple[int, int], int]
     s_index: dict[tuple[int, int], int]
+    on_col: np.ndarray  # per choice: column of "the variant runs"
+    off_col: np.ndarray  # per choice: column of "the aten op it replaced runs"
     cost: np.ndarray  # objective over the boolean columns (ms)
     a_bool: sp.csr_matrix  # rows: A_b x + A_c y (<= or ==) rhs
     a_cont: sp.csr_matrix
@@ -86,8 +96,15 @@ class Formulation:
 def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True) -> Formulation:
     units, stages = problem.units, problem.stages
     n_u, n_t = len(units), len(stages)
-    cand = candidates(problem, depth) if allow_recompute else [list(s.need) for s in stages]
+    if allow_recompute:
+        cand = candidates(problem, depth)
+    else:
+        needs = zip(stages, _choice_needs(problem), strict=True)
+        cand = [sorted(set(s.need) | e) for s, e in needs]
     cand_sets = [set(c) for c in cand]
+    # A variant's own forward outputs (the ReLU mask) exist only while it is chosen;
+    # they are kept, never recomputed.
+    optional_of = {u: k for k, c in enumerate(problem.choices) for u in c.optional_units}
 
     last_use = [-1] * n_u
     for t, c in enumerate(cand):
@@ -103,11 +120,16 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
     s_index: dict[tuple[int, int], int] = {}
     for t, c in enumerate(cand):
         for u in c:
-            if allow_recompute and not units[u].random and units[u].side_of is None:
+            recomputable = not units[u].random and units[u].side_of is None
+            if allow_recompute and recomputable and u not in optional_of:
                 r_index[t, u] = col
                 col += 1
             s_index[t, u] = col
             col += 1
+    # choice k: on_k (the variant runs) and off_k (the aten op it replaced), one of them
+    on_col = np.arange(col, col + len(problem.choices), dtype=int)
+    off_col = on_col + len(problem.choices)
+    col += 2 * len(problem.choices)
     n_bool = col
     # continuous: y_k (forward kept bytes of units already consumed), z_t (kept, pinned),
     # w_t (largest workspace among the units recomputed before stage t)
@@ -138,8 +160,13 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
     # live(k) = sum_{u<=k, lastfwd(u)>=k} m_u + y_k, y_k = sum_{lastfwd(u)<k} m_u keep_u
     consumed_at: list[list[int]] = [[] for _ in range(n_u)]
     diff = np.zeros(n_u + 1)
+    optional_at: list[list[tuple[int, float]]] = [[] for _ in range(n_u)]
     for u in units:
         consumed_at[u.last_forward_use].append(u.id)
+        if u.id in optional_of:
+            for k in range(u.id, u.last_forward_use + 1):
+                optional_at[k].append((on_col[optional_of[u.id]], m[u.id]))
+            continue
         diff[u.id] += m[u.id]
         diff[u.last_forward_use + 1] -= m[u.id]
     still_needed = np.cumsum(diff)[:n_u]
@@ -153,7 +180,7 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         )
     for k in range(n_u):
         extra = const + still_needed[k] + problem.forward_extra[k] / MIB
-        row([], [(y0 + k, 1.0)], 0.0, budget_const_mib=extra)
+        row(optional_at[k], [(y0 + k, 1.0)], 0.0, budget_const_mib=extra)
 
     # -- backward stages -----------------------------------------------------------------
     # z_t = sum_{u: last_use(u) >= t} m_u keep_u, built as a running sum from the end.
@@ -213,9 +240,21 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
             else:
                 row([(s_index[t, u], 1.0), (keep[u], -1.0)], [], 0.0)
 
+    for k, c in enumerate(problem.choices):
+        row([(on_col[k], 1.0), (off_col[k], 1.0)], [], 1.0, eq=True)
+        for u in c.optional_units:
+            row([(keep[u], 1.0), (on_col[k], -1.0)], [], 0.0)  # kept only if it exists
+        for units_needed, chosen in ((c.on_units, on_col[k]), (c.off_units, off_col[k])):
+            for u in units_needed:  # P[t,u] >= the option that reads it
+                row([(j, -a) for j, a in present(c.stage, u)] + [(chosen, 1.0)], [], 0.0)
+
     cost = np.zeros(n_bool)
     for (_t, u), j in r_index.items():
         cost[j] = units[u].recompute_s / MS
+    for k, c in enumerate(problem.choices):  # above the cheaper option: never negative
+        base = min(c.on_s, c.off_s)
+        cost[on_col[k]] = (c.on_s - base) / MS
+        cost[off_col[k]] = (c.off_s - base) / MS
 
     n_rows = len(rhs)
 
@@ -235,6 +274,8 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         keep=keep,
         r_index=r_index,
         s_index=s_index,
+        on_col=on_col,
+        off_col=off_col,
         cost=cost,
         a_bool=matrix(rows_b, n_bool),
         a_cont=matrix(rows_c, n_cont),
@@ -549,9 +590,12 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
     last_fwd = np.array([u.last_forward_use for u in units], dtype=int)
     # forward unit k: units produced by k and still to be read in the forward pass, plus
     # the kept ones already consumed
+    exists = np.ones(n_u, dtype=np.int64)  # a variant's own output: only if it is chosen
+    for k, c in enumerate(p.choices):
+        exists[list(c.optional_units)] = int(np.asarray(x_bool)[f.on_col[k]])
     span = np.zeros(n_u + 1, dtype=np.int64)
-    np.add.at(span, np.arange(n_u), m)
-    np.add.at(span, last_fwd + 1, -m)
+    np.add.at(span, np.arange(n_u), m * exists)
+    np.add.at(span, last_fwd + 1, -m * exists)
     alive = np.cumsum(span)[:n_u]
     consumed_kept = np.concatenate(
         ([0], np.cumsum(np.bincount(last_fwd, weights=m * keep, minlength=n_u))[:-1])

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from monet_like.graph import ACTIVATION, BACKWARD, FORWARD, GRADIENT, Graph
 from monet_like.memory import last_uses
 
-SIDE_RATIO = 64  # an output this many times smaller than its node's largest is a side output
+# An output at least this many times smaller than its node's largest is a side output:
+# BatchNorm's statistics, the compact max-pool's byte indices (not int64 indices, twice
+# the pooled output, nor the pooled output itself).
+SIDE_RATIO = 4
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,22 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """A variant site the solver may turn off (monet_like.variants.choosable): at stage
+    `stage`, the variant's backward op needs `on_units`, the aten op it replaced needs
+    `off_units`; the variant's own forward outputs (`optional_units`) exist only when
+    it runs. Times: the site's ops with the variant on, and with it off."""
+
+    site: str
+    stage: int
+    on_units: tuple[int, ...]
+    off_units: tuple[int, ...]
+    optional_units: tuple[int, ...]
+    on_s: float
+    off_s: float
+
+
+@dataclass(frozen=True)
 class Problem:
     units: list[Unit]
     stages: list[Stage]
@@ -57,10 +76,23 @@ class Problem:
     store_all_peak_bytes: int  # exact peak of the eager store-all step (with workspace)
     store_all_time_s: float  # forward + backward time of one eager step
     fixed_bytes: int  # params + grads + buffers + input (what no schedule removes)
+    choices: tuple[Choice, ...] = ()
+
+    @property
+    def choice_base_s(self) -> float:
+        """Time the choices' costs are counted above: the store-all step runs every
+        variant, so its time less each choice's on-cost above its cheaper option."""
+        return sum(c.on_s - min(c.on_s, c.off_s) for c in self.choices)
 
 
-def build_problem(graph: Graph, profile, workspace: dict[int, int] | None = None) -> Problem:
-    """`profile`: a monet_like.profile.Profile for `graph` (times and workspace)."""
+def build_problem(
+    graph: Graph, profile, workspace: dict[int, int] | None = None, reference=None
+) -> Problem:
+    """`profile`: a monet_like.profile.Profile for `graph` (times and workspace).
+
+    `reference`: the profile of the graph before its variants were rewritten in; with
+    it, every choosable variant site becomes a `Choice` (its off-time comes from there).
+    Without it the variants are fixed on."""
     from monet_like.memory import fixed_bytes, store_all_timeline
 
     workspace = workspace if workspace is not None else profile.workspace_by_op()
@@ -98,12 +130,14 @@ def build_problem(graph: Graph, profile, workspace: dict[int, int] | None = None
         # Small side outputs (BatchNorm's saved mean and inverse std) form a unit of their
         # own, kept rather than recomputed, so that the large output can be dropped
         # while a backward op still reads the statistics.
-        reference = max(
+        largest = max(
             [storages[s].nbytes for s in acts]
             + [storages[s].nbytes for u in overwritten[:1] for s in unit_storages[u]]
         )
-        side = [s for s in acts if storages[s].nbytes * SIDE_RATIO <= reference]
+        side = [s for s in acts if storages[s].nbytes * SIDE_RATIO <= largest]
         main = [s for s in acts if s not in side]
+        if not main and not overwritten:  # nothing larger to hang them on (empty tensors)
+            main, side = acts, []
         if overwritten:
             # Also writes an earlier unit's storage (BatchNorm run in place): recomputing
             # that unit must run this node too.
@@ -211,12 +245,95 @@ def build_problem(graph: Graph, profile, workspace: dict[int, int] | None = None
         current.append(op.index)
     close()
 
+    choices: list[Choice] = []
+    if reference is not None:
+        stages, choices = _choices(graph, profile, reference, stages, unit_of_storage)
     return Problem(
         units=units,
         stages=stages,
+        choices=tuple(choices),
         constant_bytes=constant,
         forward_extra=forward_extra,
         store_all_peak_bytes=store_all_timeline(graph, workspace).peak_bytes,
         store_all_time_s=profile.step_time_s,
         fixed_bytes=fixed_bytes(graph).total,
     )
+
+
+def _choices(graph: Graph, profile, reference, stages, unit_of_storage):
+    """The choosable variant sites as Choices; their stages' `need` keeps only what is
+    needed whichever option runs."""
+    import dataclasses
+
+    from monet_like.variants import choosable
+    from monet_like.variants.sites import decode
+
+    sites = choosable(graph)
+    if not sites:
+        return stages, []
+    op_index = {op.name: op.index for op in graph.ops}
+    stage_of = {i: t for t, st in enumerate(stages) for i in st.ops}
+    forward_s = {n.name: n.forward_s for n in profile.nodes}
+    backward_s = {n.name: n.backward_s for n in profile.nodes}
+    reference_backward_s = {n.name: n.backward_s for n in reference.nodes}
+
+    def units_of(storage_ids) -> set[int]:
+        return {unit_of_storage[s] for s in storage_ids if s in unit_of_storage}
+
+    class _Name(str):  # decode() wants nodes: names stand in for them here
+        pass
+
+    by_stage: dict[int, list[tuple[dict, int]]] = {}
+    for site in sites:
+        i = op_index.get(site["backward"])
+        if i is None or i not in stage_of:
+            continue
+        by_stage.setdefault(stage_of[i], []).append((site, i))
+    choices = []
+    for t, entries in sorted(by_stage.items()):
+        stage = stages[t]
+        choice_ops = {i for _, i in entries}
+        always = units_of(s for i in stage.ops if i not in choice_ops for s in graph.ops[i].reads)
+        for site, i in entries:
+            on = units_of(graph.ops[i].reads)
+            names = {}
+
+            def as_name(name: str, names=names) -> _Name:
+                return names.setdefault(name, _Name(name))
+
+            args = [decode(a, _Lookup(as_name)) for a in site["original"]["args"]]
+            off = units_of(s for a in _flat(args) if isinstance(a, _Name) for s in graph.values[a])
+            optional = units_of(s for n in site["forward"] for s in graph.values.get(n, ()))
+            choices.append(
+                Choice(
+                    site=site["id"],
+                    stage=t,
+                    on_units=tuple(sorted(on - always)),
+                    off_units=tuple(sorted(off - always)),
+                    optional_units=tuple(sorted(optional)),
+                    on_s=backward_s.get(site["owner"], 0.0)
+                    + sum(forward_s.get(n, 0.0) for n in site["forward"]),
+                    off_s=reference_backward_s.get(site["owner"], 0.0),
+                )
+            )
+        stages[t] = dataclasses.replace(stage, need=tuple(sorted(always)))
+    return stages, choices
+
+
+class _Lookup(dict):
+    """A mapping that answers any name (for decoding a site's arguments into names)."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        return self._make(key)
+
+
+def _flat(values):
+    for v in values:
+        if isinstance(v, list):
+            yield from _flat(v)
+        else:
+            yield v

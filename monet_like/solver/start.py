@@ -29,11 +29,16 @@ def assignment(f: Formulation, kept: np.ndarray) -> np.ndarray:
     units = f.problem.units
     x = np.zeros(f.n_bool, dtype=int)
     x[f.keep[kept]] = 1
+    x[f.on_col] = 1  # every variant runs: what the needs below assume
+    variant_needs: dict[int, set[int]] = {}
+    for c in f.problem.choices:
+        variant_needs.setdefault(c.stage, set()).update(c.on_units)
     previous: set[int] = set()  # units present during the previous stage
     for t, stage in enumerate(f.problem.stages):
         cand = set(f.cand[t])
         present = {u for u in f.cand[t] if kept[u]}
-        stack = [u for u in stage.need if u not in present]
+        needs = set(stage.need) | variant_needs.get(t, set())
+        stack = [u for u in needs if u not in present]
         recompute: set[int] = set()
         while stack:
             u = stack.pop()
@@ -76,8 +81,9 @@ def greedy_start(f: Formulation, budget_bytes: int, passes: int = 3) -> np.ndarr
     kept = np.ones(len(units), dtype=bool)
     x = _fit(f, kept)
     peak = evaluate(f, x)["peak_bytes"]
+    optional = {u for c in f.problem.choices for u in c.optional_units}
     order = sorted(
-        (u.id for u in units if not u.random and u.side_of is None),
+        (u.id for u in units if not u.random and u.side_of is None and u.id not in optional),
         key=lambda u: units[u].bytes / (units[u].recompute_s + 1e-9),
         reverse=True,
     )

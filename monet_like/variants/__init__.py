@@ -27,6 +27,7 @@ import torch
 
 from monet_like.errors import UserError
 from monet_like.graph import Graph, derive
+from monet_like.variants.sites import decode, rename
 
 MODE_FLAGS = ("inplace", "conv", "multiway", "newnode", "normal")
 # Order of application: output-activated backward first (it frees inputs that an
@@ -43,7 +44,9 @@ class Variant:
     backward_reads: str  # its "path": the values its backward needs
     extra_outputs: str  # forward outputs it adds ("" for none)
     in_place: bool
-    rewrite: Callable[[Graph, torch.fx.GraphModule], int]  # rewrites every valid site
+    # Rewrites every valid site of the module, appends a description of each to the
+    # list (see sites.make_site), returns how many.
+    rewrite: Callable[[Graph, torch.fx.GraphModule, list[dict]], int]
 
 
 def parse_mode(mode: str) -> tuple[str, ...]:
@@ -112,13 +115,62 @@ def apply(graph: Graph, flags: tuple[str, ...] | str) -> Graph:
 
     kernels.load()
     _register_all()
+    sites = copy.deepcopy(graph.sites)
     for flag in todo:
         for variant in (v for v in REGISTRY.values() if v.flag == flag):
             gm = copy_module(graph.fx)
-            if variant.rewrite(graph, gm):  # later variants see this one's result
+            if variant.rewrite(graph, gm, sites):  # later variants see this one's result
                 graph = refresh(graph, gm, graph.variants)
         graph = dataclasses.replace(graph, variants=(*graph.variants, flag))
+    # A site's replaced op reads values by name; a later rewrite may have replaced the
+    # node that produced one (a ReLU's incoming gradient came from the max-pool backward
+    # that the compact max-pool replaced): follow the renames.
+    names = {old: n.name for n in graph.fx.graph.nodes for old in n.meta.get("replaces", [])}
+    for site in sites:
+        if site["original"]:
+            site["original"]["args"] = [rename(a, names) for a in site["original"]["args"]]
+    graph.sites = sites
     return graph
+
+
+def choosable(graph: Graph) -> list[dict]:
+    """The sites the solver may turn off (run the replaced aten op instead): those whose
+    variant only changes what a backward op reads."""
+    return [s for s in graph.sites if s["choosable"]]
+
+
+def select(graph: Graph, off: list[str] | tuple[str, ...]) -> Graph:
+    """`graph` with the sites named in `off` turned back to the aten ops they replaced:
+    the variant's backward node runs the original op (same name, so schedules built
+    on `graph` still find it) and the forward nodes it added are gone. Only the traced
+    module changes; storages, ops and nodes stay those the solver worked on."""
+    import dataclasses
+
+    if not off:
+        return graph
+    by_id = {s["id"]: s for s in graph.sites}
+    unknown = [i for i in off if i not in by_id or not by_id[i]["choosable"]]
+    if unknown:
+        raise UserError(f"no variant site {', '.join(unknown)} to turn off in this graph")
+    gm = copy_module(graph.fx)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for site_id in off:
+        site = by_id[site_id]
+        node = nodes[site["backward"]]
+        node.target = _resolve(site["original"]["target"])
+        node.args = tuple(decode(a, nodes) for a in site["original"]["args"])
+        for name in reversed(site["forward"]):
+            gm.graph.erase_node(nodes[name])
+    gm.recompile()
+    return dataclasses.replace(graph, fx=gm)
+
+
+def _resolve(target: str):
+    """"aten.threshold_backward.default" -> torch.ops.aten.threshold_backward.default."""
+    value = torch.ops
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -18,7 +18,7 @@ import torch
 
 from monet_like.graph import Graph
 from monet_like.variants import Variant, register
-from monet_like.variants.sites import Uses, calls, getitems, replace
+from monet_like.variants.sites import Uses, calls, fixed_site, getitems, replace
 
 aten = torch.ops.aten
 
@@ -37,7 +37,7 @@ def _overwritable(value, node, uses: Uses) -> bool:
     )
 
 
-def _activations_in_place(graph: Graph, gm: torch.fx.GraphModule) -> int:
+def _activations_in_place(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
     uses = Uses(graph, gm)
     changed = 0
     for target, in_place in (
@@ -48,11 +48,12 @@ def _activations_in_place(graph: Graph, gm: torch.fx.GraphModule) -> int:
             if uses.in_backward(node) or not _overwritable(node.args[0], node, uses):
                 continue
             node.target = in_place
+            sites.append(fixed_site("activation_in_place", node))
             changed += 1
     return changed
 
 
-def _add_in_place(graph: Graph, gm: torch.fx.GraphModule) -> int:
+def _add_in_place(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
     uses = Uses(graph, gm)
     changed = 0
     for node in calls(gm, aten.add.Tensor):
@@ -66,11 +67,12 @@ def _add_in_place(graph: Graph, gm: torch.fx.GraphModule) -> int:
             node.target, node.args = aten.add_.Tensor, (b, a, *node.args[2:])
         else:
             continue
+        sites.append(fixed_site("add_in_place", node))
         changed += 1
     return changed
 
 
-def _batch_norm_in_place(graph: Graph, gm: torch.fx.GraphModule) -> int:
+def _batch_norm_in_place(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
     ops = torch.ops.monet_like
     uses = Uses(graph, gm)
     changed = 0
@@ -81,6 +83,10 @@ def _batch_norm_in_place(graph: Graph, gm: torch.fx.GraphModule) -> int:
             continue
         if not uses.dead_after(x, fwd):
             continue
+        for site in sites:  # its backward must read the output now: no longer a choice
+            if site["owner"] == fwd.name:
+                site["choosable"] = False
+        sites.append(fixed_site("batch_norm_in_place", fwd))
         new = replace(
             gm,
             fwd,

@@ -18,12 +18,20 @@ import torch
 
 from monet_like.graph import Graph
 from monet_like.variants import Variant, register
-from monet_like.variants.sites import Uses, calls, getitems, replace, source
+from monet_like.variants.sites import (
+    Uses,
+    bwd_original,
+    calls,
+    getitems,
+    make_site,
+    replace,
+    source,
+)
 
 aten = torch.ops.aten
 
 
-def _batch_norm_from_output(graph: Graph, gm: torch.fx.GraphModule) -> int:
+def _batch_norm_from_output(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
     ops = torch.ops.monet_like
     uses = Uses(graph, gm)
     changed = 0
@@ -47,17 +55,20 @@ def _batch_norm_from_output(graph: Graph, gm: torch.fx.GraphModule) -> int:
             if bx is not x and source(bx) is not source(x):
                 continue
             mask = list(bwd.args[9]) if len(bwd.args) > 9 else [True, True, True]
-            replace(
+            original = bwd_original(bwd, {1: source(bx)})
+            site = bwd.name
+            new = replace(
                 gm,
                 bwd,
                 ops.batch_norm_backward_from_output.default,
                 (grad, y, bweight, bias, invstd, mask),
             )
+            sites.append(make_site(site, "batch_norm_from_output", fwd, [], new, original))
             changed += 1
     return changed
 
 
-def _hardtanh_from_output(graph: Graph, gm: torch.fx.GraphModule) -> int:
+def _hardtanh_from_output(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
     ops = torch.ops.monet_like
     uses = Uses(graph, gm)
     changed = 0
@@ -68,7 +79,12 @@ def _hardtanh_from_output(graph: Graph, gm: torch.fx.GraphModule) -> int:
             grad, x, low, high = bwd.args[:4]
             if source(x) is not source(fwd.args[0]):
                 continue
-            replace(gm, bwd, ops.hardtanh_backward_from_output.default, (grad, fwd, low, high))
+            original = bwd_original(bwd, {1: source(x)})
+            site = bwd.name
+            new = replace(
+                gm, bwd, ops.hardtanh_backward_from_output.default, (grad, fwd, low, high)
+            )
+            sites.append(make_site(site, "hardtanh_from_output", fwd, [], new, original))
             changed += 1
     return changed
 

@@ -17,9 +17,12 @@ from monet_like.variants import Variant, register
 from monet_like.variants.sites import (
     Uses,
     args_with_defaults,
+    bwd_original,
     calls,
+    fixed_site,
     getitems,
     insert_after,
+    make_site,
     replace,
     source,
 )
@@ -27,7 +30,7 @@ from monet_like.variants.sites import (
 aten = torch.ops.aten
 
 
-def _relu_mask(graph: Graph, gm: torch.fx.GraphModule) -> int:
+def _relu_mask(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
     ops = torch.ops.monet_like
     uses = Uses(graph, gm)
     changed = 0
@@ -44,13 +47,15 @@ def _relu_mask(graph: Graph, gm: torch.fx.GraphModule) -> int:
             or uses.in_backward(producer)
         ):
             continue
+        site, original = bwd.name, bwd_original(bwd, {1: producer})
         mask = insert_after(gm, producer, ops.relu_mask.default, (producer,), like=producer)
-        replace(gm, bwd, ops.relu_backward_mask.default, (grad, mask))
+        new = replace(gm, bwd, ops.relu_backward_mask.default, (grad, mask))
+        sites.append(make_site(site, "relu_mask", producer, [mask], new, original))
         changed += 1
     return changed
 
 
-def _max_pool_compact(graph: Graph, gm: torch.fx.GraphModule) -> int:
+def _max_pool_compact(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
     ops = torch.ops.monet_like
     changed = 0
     for fwd in calls(gm, aten.max_pool2d_with_indices.default):
@@ -67,9 +72,12 @@ def _max_pool_compact(graph: Graph, gm: torch.fx.GraphModule) -> int:
         backward = list(indices.users)
         if not all(u.target == aten.max_pool2d_with_indices_backward.default for u in backward):
             continue  # the indices go somewhere else (return_indices=True): keep them
+        sites.append(fixed_site("max_pool2d_compact", fwd))
         pool = replace(
-            gm, fwd, ops.max_pool2d_compact.default, (x, kernel, stride, padding, dilation,
-                                                        bool(ceil_mode))
+            gm,
+            fwd,
+            ops.max_pool2d_compact.default,
+            (x, kernel, stride, padding, dilation, bool(ceil_mode)),
         )
         for bwd in backward:
             grad = bwd.args[0]

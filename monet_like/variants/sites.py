@@ -131,6 +131,7 @@ def replace(
     with gm.graph.inserting_before(old):
         new = gm.graph.call_function(target, args, kwargs or {})
     new.meta = {k: v for k, v in old.meta.items() if k != "val"}
+    new.meta["replaces"] = [*old.meta.get("replaces", []), old.name]  # see apply()
     old.replace_all_uses_with(new)
     inputs = old.all_input_nodes
     gm.graph.erase_node(old)
@@ -159,3 +160,73 @@ def insert_after(
         new = gm.graph.call_function(target, args, {})
     new.meta = {k: v for k, v in like.meta.items() if k != "val"}
     return new
+
+
+def encode(value: Any) -> Any:
+    """An fx argument as plain data: ["node", name] or ["value", constant]."""
+    if isinstance(value, torch.fx.Node):
+        return ["node", value.name]
+    if isinstance(value, (list, tuple)):
+        return ["list", [encode(v) for v in value]]
+    return ["value", value]
+
+
+def decode(value: Any, nodes: dict[str, torch.fx.Node]) -> Any:
+    kind, payload = value
+    if kind == "node":
+        return nodes[payload]
+    if kind == "list":
+        return [decode(v, nodes) for v in payload]
+    return payload
+
+
+def bwd_original(bwd: torch.fx.Node, substitute: dict[int, torch.fx.Node]) -> dict:
+    """The replaced backward op, to run instead when the solver turns its variant off;
+    `substitute` names forward values to read in place of autograd's aliases."""
+    args = [substitute.get(i, a) for i, a in enumerate(bwd.args)]
+    return {"target": str(bwd.target), "args": [encode(a) for a in args]}
+
+
+def make_site(
+    site: str,
+    variant: str,
+    owner: torch.fx.Node,
+    forward: list[torch.fx.Node],
+    backward: torch.fx.Node,
+    original: dict,
+) -> dict:
+    """One place a variant was rewritten in: `site` is the replaced backward op's name,
+    `owner` the forward node whose backward it is, `forward` the nodes the variant adds
+    to the forward pass, `backward` its own backward node."""
+    return {
+        "id": site,
+        "variant": variant,
+        "choosable": True,
+        "owner": owner.name,
+        "forward": [n.name for n in forward],
+        "backward": backward.name,
+        "original": original,
+    }
+
+
+def fixed_site(variant: str, node: torch.fx.Node) -> dict:
+    """A place a variant always runs once rewritten in (its forward op changed too)."""
+    return {
+        "id": node.name,
+        "variant": variant,
+        "choosable": False,
+        "owner": node.name,
+        "forward": [],
+        "backward": "",
+        "original": {},
+    }
+
+
+def rename(value: Any, names: dict[str, str]) -> Any:
+    """An encoded argument with node names mapped through `names`."""
+    kind, payload = value
+    if kind == "node":
+        return ["node", names.get(payload, payload)]
+    if kind == "list":
+        return ["list", [rename(v, names) for v in payload]]
+    return value
