@@ -7,6 +7,11 @@ events, so workspace counts) and its time against eager PyTorch (interleaved,
 median). Writes a CSV and a PNG of memory against overhead.
 
     python scripts/bench_schedule.py [--models resnet50,...] [--points 5] [--iterations 5]
+        [--modes normal,newnode,inplace_multiway_newnode]
+
+With several modes, each is solved with its variants (the solver may turn sites off
+or keep the captured graph) at the same budgets: from the normal store-all peak down
+to the smallest budget any of the modes reaches.
 """
 
 import argparse
@@ -25,11 +30,13 @@ from monet_like.profile import profile
 from monet_like.schedule import finalize
 from monet_like.solver import DEFAULT_DEPTH, min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
+from monet_like.variants import apply
 from monet_like.wrapper import ScheduleWrapper
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 MIB = 2**20
 MODELS = {
+    "resnet18": ("torchvision.models.resnet18()", (3, 64, 64), 32),
     "resnet50": ("torchvision.models.resnet50()", (3, 64, 64), 16),
     "googlenet": ("torchvision.models.googlenet()", (3, 64, 64), 16),
     "mobilenet_v2": ("torchvision.models.mobilenet_v2()", (3, 64, 64), 32),
@@ -47,7 +54,8 @@ def step_time(net, x, params_of) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default="resnet50,googlenet,mobilenet_v2,vgg16,unet")
+    ap.add_argument("--modes", default="normal")
     ap.add_argument("--points", type=int, default=4, help="budgets per model")
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--out", default="out")
@@ -55,28 +63,44 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     rows = []
     print(
-        f"{'model':12s} {'budget':>9s} {'predicted':>9s} {'measured':>9s} {'recomp':>6s}"
-        f" {'ratio':>6s}  (MiB; ratio = schedule step time / eager step time)"
+        f"{'model':12s} {'mode':>24s} {'budget':>9s} {'predicted':>9s} {'measured':>9s}"
+        f" {'recomp':>6s} {'off':>4s} {'ratio':>6s}"
+        "  (MiB; off = variant sites turned off, '-' = captured graph kept;"
+        " ratio = schedule step time / eager step time)"
     )
+    modes = args.modes.split(",")
     for name in args.models.split(","):
         expression, shape, batch = MODELS[name]
         torch.manual_seed(0)
         model = parse_model(expression).build()
-        graph = capture(model, shape, batch, model_name=expression)
-        prof = profile(model, graph, progress=False)
-        problem = build_problem(graph, prof)
-        low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+        captured = capture(model, shape, batch, model_name=expression)
+        reference = profile(model, captured, progress=False)
+        setups = {}
+        for mode in modes:
+            graph = apply(captured, mode)
+            prof = reference if graph is captured else profile(model, graph, progress=False)
+            problem = build_problem(graph, prof)
+            low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+            setups[mode] = (graph, prof, low)
+        store_all = build_problem(captured, reference).store_all_peak_bytes
         x = make_input(model, shape, batch, torch.float32)
         # The MILP's in-stage bound is conservative: at some sizes no schedule it can
         # express beats store-all, and store-all is then the only point.
-        points = args.points if low < problem.store_all_peak_bytes else 1
-        low = min(low, problem.store_all_peak_bytes)
-        for k in range(points):
+        low = min(low for _, _, low in setups.values())
+        points = args.points if low < store_all else 1
+        low = min(low, store_all)
+        for k, mode in ((k, m) for k in range(points) for m in modes):
+            graph, prof, mode_low = setups[mode]
             fraction = 1 - k / max(1, points - 1)
-            budget = int(low + fraction * (problem.store_all_peak_bytes - low))
-            sol = solve(graph, prof, budget, solver="HIGHS", time_limit=300)
-            finalize(graph, sol, prof.workspace_by_op())
-            path = sol.save(os.path.join(args.out, f"bench_schedule_{name}_{k}.json"))
+            budget = int(low + fraction * (store_all - low))
+            if budget < mode_low:
+                print(f"{name:12s} {mode:>24s} {budget / MIB:9.1f}  below this mode's smallest")
+                continue
+            baseline = (captured, reference) if graph.variants else None
+            sol = solve(graph, prof, budget, mode=mode, time_limit=300, baseline=baseline)
+            ran, ran_prof = (graph, prof) if sol.variants or not baseline else baseline
+            finalize(ran, sol, ran_prof.workspace_by_op())
+            path = sol.save(os.path.join(args.out, f"bench_schedule_{name}_{mode}_{k}.json"))
             wrapped = ScheduleWrapper(model, path, shape)
             model.zero_grad(set_to_none=True)
             measured = measure_allocator(
@@ -88,21 +112,24 @@ def main() -> None:
                 times["schedule"].append(step_time(wrapped, x, model))
             ratio = statistics.median(times["schedule"][1:]) / statistics.median(times["eager"][1:])
             recomputed = sum(len(s["recompute"]) for s in sol.stages)
+            off = len(sol.variants_off) if sol.variants else "-"
             rows.append(
                 dict(
                     model=name,
+                    mode=mode,
+                    variants_off=off,
                     budget_mib=budget / MIB,
                     predicted_mib=sol.predicted_peak_bytes / MIB,
                     measured_mib=measured / MIB,
-                    store_all_mib=problem.store_all_peak_bytes / MIB,
+                    store_all_mib=store_all / MIB,
                     recomputations=recomputed,
                     predicted_overhead=sol.overhead,
                     time_ratio=ratio,
                 )
             )
             print(
-                f"{name:12s} {budget / MIB:9.1f} {sol.predicted_peak_bytes / MIB:9.1f}"
-                f" {measured / MIB:9.1f} {recomputed:6d} {ratio:6.3f}",
+                f"{name:12s} {mode:>24s} {budget / MIB:9.1f} {sol.predicted_peak_bytes / MIB:9.1f}"
+                f" {measured / MIB:9.1f} {recomputed:6d} {off!s:>4s} {ratio:6.3f}",
                 flush=True,
             )
     df = pd.DataFrame(rows)
@@ -114,12 +141,12 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, g in df.groupby("model"):
+    for (name, mode), g in df.groupby(["model", "mode"]):
         ax.plot(
             100 * g["measured_mib"] / g["store_all_mib"],
             100 * (g["time_ratio"] - 1),
             marker="o",
-            label=name,
+            label=f"{name} {mode}",
         )
     ax.set_xlabel("measured peak, % of the store-all peak")
     ax.set_ylabel("measured overhead vs eager (%)")

@@ -167,3 +167,64 @@ def test_a_zero_gamma_is_refused_before_the_step(tmp_path):
         model.features[1].conv[2].weight[3] = 0.0  # the first projection BatchNorm
     with pytest.raises(UserError, match="cannot divide by it"):
         wrapped(x)
+
+
+@pytest.fixture(scope="module")
+def resnet_newnode():
+    """ResNet-18 at a size where activations, not parameters, set the peak."""
+    torch.manual_seed(0)
+    expression, shape, batch = "torchvision.models.resnet18()", (3, 128, 128), 4
+    model = parse_model(expression).build()
+    captured = capture(model, shape, batch, model_name=expression)
+    graph = apply(captured, "newnode")
+    reference = profile(model, captured, repeats=1, progress=False)
+    prof = profile(model, graph, repeats=1, progress=False)
+    return model, shape, batch, captured, graph, reference, prof
+
+
+def test_variants_lower_the_smallest_budget_and_are_never_slower(resnet_newnode):
+    model, shape, batch, captured, graph, reference, prof = resnet_newnode
+    normal = build_problem(captured, reference)
+    newnode = build_problem(graph, prof, reference=reference)
+    assert len(newnode.choices) == 17  # one per ReLU; the max-pool's variant is fixed
+    low_normal = min_feasible_budget(normal, 16, False, "HIGHS")
+    low_newnode = min_feasible_budget(newnode, 16, False, "HIGHS")
+    # The first ReLU's output (the largest activation, 4 MiB here) is needed by neither
+    # the max-pool's backward nor its own: the smallest step shrinks by most of it.
+    assert low_newnode < low_normal - 3 * 2**20
+    for budget in (low_normal, (low_normal + normal.store_all_peak_bytes) // 2):
+        plain = solve(captured, reference, budget)
+        chosen = solve(graph, prof, budget, mode="newnode", baseline=(captured, reference))
+        assert chosen.predicted_time_s <= plain.predicted_time_s + 1e-9
+        assert chosen.predicted_peak_bytes <= budget
+
+
+def test_sites_turned_off_replay_the_aten_ops_they_replaced(resnet_newnode, tmp_path):
+    """Every choosable site off: the replay runs threshold_backward again (and no mask),
+    bitwise equal to eager, and its simulated peak matches the measured one."""
+    from monet_like.variants import choosable
+
+    model, shape, batch, captured, graph, reference, prof = resnet_newnode
+    problem = build_problem(graph, prof, reference=reference)
+    low = min_feasible_budget(problem, 16, False, "HIGHS")
+    sol = solve(graph, prof, low + 2**20, mode="newnode", baseline=(captured, reference))
+    if not sol.variants:  # the captured graph won: test the switch on the variant graph
+        sol = solve(graph, prof, low + 2**20, mode="newnode")
+    sol.variants_off = [s["id"] for s in choosable(graph)]
+    # All ReLU masks off: the schedule must still fit, now holding the ReLU outputs.
+    finalize(graph, sol, prof.workspace_by_op())
+    path = sol.save(tmp_path / "off.json")
+    eager, replayed = copy.deepcopy(model), copy.deepcopy(model)
+    wrapped = ScheduleWrapper(replayed, path, shape)
+    ops = {str(n.target) for n in wrapped._schedule.fx.graph.nodes}
+    assert "aten.threshold_backward.default" in ops and "monet_like.relu_mask.default" not in ops
+    x = make_input(model, shape, batch, torch.float32)
+    default_loss(eager(x)).backward()
+    default_loss(wrapped(x)).backward()
+    for p, q in zip(eager.parameters(), replayed.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    replayed.zero_grad(set_to_none=True)
+    allocator = measure_allocator(
+        lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(replayed), x]
+    )
+    assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
