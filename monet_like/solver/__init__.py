@@ -61,14 +61,25 @@ def _store_all(problem: Problem, base: dict) -> Solution:
     )
 
 
-def min_feasible_budget(problem: Problem, depth: int | None, ablation: bool, solver: str) -> int:
-    """The smallest budget any schedule of the model reaches (the min-memory problem)."""
+MIN_BUDGET_TIME_LIMIT = 300.0  # seconds; past it the best budget found is reported
+
+
+def min_feasible_budget(
+    problem: Problem,
+    depth: int | None,
+    ablation: bool,
+    solver: str,
+    time_limit: float | None = MIN_BUDGET_TIME_LIMIT,
+) -> int:
+    """The smallest budget any schedule of the model reaches (the min-memory problem),
+    within 0.1%; when `time_limit` stops the solver first, the smallest budget it found
+    (a feasible budget, possibly above the smallest)."""
     import cvxpy as cp
 
     f = formulate(problem, depth, allow_recompute=not ablation)
     chosen = "HIGHS" if "HIGHS" in cp.installed_solvers() else solver
     chosen = "CBC" if chosen == "PULP" else chosen
-    raw = solve_formulation(f, None, chosen, time_limit=None, gap=1e-4)  # HiGHS's default gap
+    raw = solve_formulation(f, None, chosen, time_limit=time_limit, gap=1e-3)
     if raw.x_bool is None:
         raise UserError("could not solve the min-memory problem")
     return evaluate(f, raw.x_bool)["peak_bytes"]
@@ -123,15 +134,15 @@ def solve(
     captured, reference = baseline
     try:
         with_variants = _solve(graph, profile, budget_bytes, reference=reference, **options)
-    except InfeasibleBudget:
-        with_variants = None
+    except InfeasibleBudget as exc:
+        with_variants, infeasible = None, exc
     if progress is not None:
         progress("solving the captured graph too (no variants), to keep the faster schedule")
     try:
         plain = _solve(captured, reference, budget_bytes, reference=None, **options)
     except InfeasibleBudget:
         if with_variants is None:
-            raise
+            raise infeasible from None  # its smallest budget is the variants' (lower) one
         return with_variants
     if with_variants is None or plain.predicted_time_s < with_variants.predicted_time_s:
         plain.extra["chosen_over_variants"] = (
