@@ -12,9 +12,11 @@ that enables it, the aten pattern it replaces, what its backward reads (its
 
 A mode's variants are applied wherever they are valid (each site is checked on
 the graph: an input that is read later is never overwritten, an output that is
-overwritten is never read back), then the solver chooses checkpoints on the
-rewritten graph, with every byte and op time of the variants in its profile. An
-op the registry knows nothing about is left as PyTorch runs it.
+overwritten is never read back), and each site is recorded in `graph.sites`. The
+solver then chooses checkpoints on the rewritten graph and, per `choosable` site,
+whether the variant or the aten op it replaced runs (`select` turns sites back);
+see docs/variants.md. An op the registry knows nothing about is left as PyTorch
+runs it.
 """
 
 from __future__ import annotations
