@@ -339,7 +339,8 @@ def cmd_solve(args) -> dict:
 
 
 def _sites(graph) -> str:
-    """"variants: relu_mask x17 (solver's choice), max_pool2d_compact x1"."""
+    """The variants rewritten into `graph`, counted, e.g. 'relu_mask x17 (the solver's
+    choice), max_pool2d_compact x1'."""
     from collections import Counter
 
     counts = Counter((s["variant"], s["choosable"]) for s in graph.sites)

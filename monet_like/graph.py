@@ -186,7 +186,7 @@ def _is_mutating(target: Any) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
-def _written_args(n: Any) -> list[Any]:
+def written_args(n: Any) -> list[Any]:
     """The fx input nodes an op's schema declares it writes (`Tensor(a!)`)."""
     schema = getattr(n.target, "_schema", None)
     if schema is None or not schema.is_mutable:
@@ -476,7 +476,7 @@ def derive(
             if new:
                 allocates.append(sid)
         values[n.name] = tuple(outputs)
-        for arg in _written_args(n):  # an op may write an input it does not return
+        for arg in written_args(n):  # an op may write an input it does not return
             for t in _tensors(arg.meta.get("val")):
                 sid, _ = storage_of(t, ACTIVATION, arg.name)
                 if sid not in outputs:

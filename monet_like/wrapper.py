@@ -95,7 +95,7 @@ class ScheduleWrapper(nn.Module):
         self._schedule = build(graph, sol)
         self._executor = Executor(graph, self._schedule)
         self._diff_index = graph.diff_outputs
-        self._gammas = _output_activated_gammas(graph, self._schedule)
+        self._gammas = _output_activated_gammas(self._schedule)
 
     def _check_gammas(self, params: list[torch.Tensor]) -> None:
         """Output-activated BatchNorm divides by gamma; refuse the step before it runs
@@ -144,7 +144,7 @@ class ScheduleWrapper(nn.Module):
 GAMMA_MIN = 1e-8  # the smallest |gamma| batch_norm_backward_from_output accepts
 
 
-def _output_activated_gammas(graph, schedule) -> list[int]:
+def _output_activated_gammas(schedule) -> list[int]:
     """Indices of the parameters that an output-activated BatchNorm backward divides by."""
     index = {name: i for i, name in enumerate(schedule.placeholders[: schedule.n_params])}
     found = []

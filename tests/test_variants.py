@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
+from test_wrapper import eager_and_replayed  # tests/ is on the path under pytest
 from torch.utils._pytree import tree_flatten
 
 from monet_like import ScheduleWrapper
@@ -111,15 +112,7 @@ def test_full_mode_replay_matches_eager(expression, shape, batch, tmp_path):
         assert sol.predicted_peak_bytes <= budget
         path = sol.save(tmp_path / f"{budget}.json")
 
-        eager, replayed = copy.deepcopy(model), copy.deepcopy(model)
-        wrapped = ScheduleWrapper(replayed, path, shape)
-        x = make_input(model, shape, batch, torch.float32)
-        torch.manual_seed(1)
-        out_e = eager(x)
-        default_loss(out_e).backward()
-        torch.manual_seed(1)
-        out_r = wrapped(x)
-        default_loss(out_r).backward()
+        eager, replayed, wrapped, x, out_e, out_r = eager_and_replayed(model, path, shape, batch)
         for a, b in zip(tree_flatten(out_e)[0], tree_flatten(out_r)[0], strict=True):
             assert _relative(a, b) <= 1e-5
         # All gradients as one vector: a per-tensor ratio is meaningless for a gradient

@@ -96,11 +96,7 @@ class Formulation:
 def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True) -> Formulation:
     units, stages = problem.units, problem.stages
     n_u, n_t = len(units), len(stages)
-    if allow_recompute:
-        cand = candidates(problem, depth)
-    else:
-        needs = zip(stages, _choice_needs(problem), strict=True)
-        cand = [sorted(set(s.need) | e) for s, e in needs]
+    cand = candidates(problem, depth if allow_recompute else 0)  # depth 0: the needs alone
     cand_sets = [set(c) for c in cand]
     # A variant's own forward outputs (the ReLU mask) exist only while it is chosen;
     # they are kept, never recomputed.

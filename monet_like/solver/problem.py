@@ -266,7 +266,7 @@ def _choices(graph: Graph, profile, reference, stages, unit_of_storage):
     import dataclasses
 
     from monet_like.variants import choosable
-    from monet_like.variants.sites import decode
+    from monet_like.variants.sites import encoded_names
 
     sites = choosable(graph)
     if not sites:
@@ -279,9 +279,6 @@ def _choices(graph: Graph, profile, reference, stages, unit_of_storage):
 
     def units_of(storage_ids) -> set[int]:
         return {unit_of_storage[s] for s in storage_ids if s in unit_of_storage}
-
-    class _Name(str):  # decode() wants nodes: names stand in for them here
-        pass
 
     by_stage: dict[int, list[tuple[dict, int]]] = {}
     for site in sites:
@@ -296,13 +293,8 @@ def _choices(graph: Graph, profile, reference, stages, unit_of_storage):
         always = units_of(s for i in stage.ops if i not in choice_ops for s in graph.ops[i].reads)
         for site, i in entries:
             on = units_of(graph.ops[i].reads)
-            names = {}
-
-            def as_name(name: str, names=names) -> _Name:
-                return names.setdefault(name, _Name(name))
-
-            args = [decode(a, _Lookup(as_name)) for a in site["original"]["args"]]
-            off = units_of(s for a in _flat(args) if isinstance(a, _Name) for s in graph.values[a])
+            read = encoded_names(["list", site["original"]["args"]])
+            off = units_of(s for name in read for s in graph.values[name])
             optional = units_of(s for n in site["forward"] for s in graph.values.get(n, ()))
             choices.append(
                 Choice(
@@ -318,22 +310,3 @@ def _choices(graph: Graph, profile, reference, stages, unit_of_storage):
             )
         stages[t] = dataclasses.replace(stage, need=tuple(sorted(always)))
     return stages, choices
-
-
-class _Lookup(dict):
-    """A mapping that answers any name (for decoding a site's arguments into names)."""
-
-    def __init__(self, make) -> None:
-        super().__init__()
-        self._make = make
-
-    def __missing__(self, key):
-        return self._make(key)
-
-
-def _flat(values):
-    for v in values:
-        if isinstance(v, list):
-            yield from _flat(v)
-        else:
-            yield v

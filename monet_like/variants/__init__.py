@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from monet_like.errors import UserError
-from monet_like.graph import Graph, derive
+from monet_like.graph import Graph, derive, fake_like
 from monet_like.variants.sites import decode, rename
 
 MODE_FLAGS = ("inplace", "conv", "multiway", "newnode", "normal")
@@ -82,10 +82,7 @@ def refresh(graph: Graph, gm: torch.fx.GraphModule, variants: tuple[str, ...]) -
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     metas = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     with mode:
-        values = [
-            torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device)
-            for m in metas
-        ]
+        values = [fake_like(m, m.dtype, m.device) for m in metas]
     with torch.no_grad():
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*values)
     return derive(
@@ -168,7 +165,7 @@ def select(graph: Graph, off: list[str] | tuple[str, ...]) -> Graph:
 
 
 def _resolve(target: str):
-    """"aten.threshold_backward.default" -> torch.ops.aten.threshold_backward.default."""
+    """An op by its printed name: aten.threshold_backward.default -> the OpOverload."""
     value = torch.ops
     for part in target.split("."):
         value = getattr(value, part)

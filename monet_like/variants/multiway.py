@@ -75,7 +75,7 @@ def _hardtanh_from_output(graph: Graph, gm: torch.fx.GraphModule, sites: list[di
     for fwd in calls(gm, aten.hardtanh.default):  # out of place: input and output differ
         if uses.written_later(fwd, fwd):
             continue
-        for bwd in [u for u in gm.graph.nodes if u.target == aten.hardtanh_backward.default]:
+        for bwd in calls(gm, aten.hardtanh_backward.default):
             grad, x, low, high = bwd.args[:4]
             if source(x) is not source(fwd.args[0]):
                 continue

@@ -13,7 +13,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
-from monet_like.graph import BACKWARD, Graph
+from monet_like.graph import BACKWARD, Graph, written_args
 
 
 def _keys(value: Any) -> list[StorageWeakRef]:
@@ -64,25 +64,18 @@ class Uses:
         if k in self.placeholder_keys:
             return False
         at = self.position[user.name]
-        return all(i < at or i == at for i in self.touches.get(k, []))
+        return all(i <= at for i in self.touches.get(k, []))
 
     def written_later(self, value: torch.fx.Node, after: torch.fx.Node) -> bool:
         """Some op after `after` writes `value`'s storage in place."""
         k = self.key(value)
         at = self.position[after.name]
-        for n in self.gm.graph.nodes:
-            if self.position.get(n.name, -1) <= at or n.op != "call_function":
-                continue
-            schema = getattr(n.target, "_schema", None)
-            if schema is None or not schema.is_mutable:
-                continue
-            for i, arg in enumerate(schema.arguments):
-                if arg.alias_info is None or not arg.alias_info.is_write:
-                    continue
-                v = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
-                if isinstance(v, torch.fx.Node) and k in _keys(v.meta.get("val")):
-                    return True
-        return False
+        return any(
+            k in _keys(v.meta.get("val"))
+            for n in self.gm.graph.nodes
+            if self.position.get(n.name, -1) > at and n.op == "call_function"
+            for v in written_args(n)
+        )
 
     def in_backward(self, node: torch.fx.Node) -> bool:
         return node.name in self.backward
@@ -178,6 +171,15 @@ def decode(value: Any, nodes: dict[str, torch.fx.Node]) -> Any:
     if kind == "list":
         return [decode(v, nodes) for v in payload]
     return payload
+
+
+def encoded_names(value: Any) -> list[str]:
+    """The node names inside an encoded argument (or a list of them)."""
+    if value and value[0] == "node":
+        return [value[1]]
+    if value and value[0] == "list":
+        return [name for v in value[1] for name in encoded_names(v)]
+    return []
 
 
 def bwd_original(bwd: torch.fx.Node, substitute: dict[int, torch.fx.Node]) -> dict:
