@@ -94,6 +94,7 @@ MODELS = [
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
     return float((a - b).norm() / a.norm().clamp_min(1e-30))
 
 
