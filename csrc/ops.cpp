@@ -572,6 +572,83 @@ at::Tensor hardtanh_backward_from_output(const at::Tensor& grad_output, const at
   return out;
 }
 
+// ---------------------------------------------------------------------------
+// Convolution with an explicit algorithm (the `conv` mode)
+//
+// Algorithm -1 is PyTorch's own choice on every device (at::convolution picks the backend:
+// oneDNN for float on this CPU). On CPU, algorithm 0 is PyTorch's im2col + GEMM path
+// (slow_conv2d): for a k x k kernel it holds the whole batch's columns (k*k times the input)
+// as workspace, for a 1x1 stride-1 unpadded convolution none at all, where oneDNN reorders
+// its input and output into a blocked layout. Which is cheaper depends on the layer; the
+// profiler measures both and the solver chooses. The backward runs its data and weight
+// parts as two calls, each with its own algorithm, so each has its own workspace.
+
+constexpr int64_t kAtenAlgo = -1;
+constexpr int64_t kIm2colAlgo = 0;
+
+bool im2col_applies(const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef dilation,
+                    int64_t groups) {
+  const bool plain = std::all_of(dilation.begin(), dilation.end(), [](int64_t d) { return d == 1; });
+  return input.dim() == 4 && weight.dim() == 4 && groups == 1 && plain &&
+         (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble);
+}
+
+void check_conv_algo(int64_t algo, bool im2col_ok, const char* op, const char* direction) {
+  TORCH_CHECK(algo == kAtenAlgo || (algo == kIm2colAlgo && im2col_ok), op, ": ", direction,
+              " algorithm ", algo, " is not available on CPU for this convolution (",
+              im2col_ok ? "-1 (aten) or 0 (im2col)"
+                        : "only -1 (aten): im2col needs groups 1, no dilation, float or double",
+              ")");
+}
+
+at::Tensor conv2d_algo(const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                       at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                       int64_t algo) {
+  check_conv_algo(algo, im2col_applies(input, weight, dilation, groups), "conv2d_algo", "forward");
+  if (algo == kAtenAlgo) {
+    return at::convolution(input, weight, bias, stride, padding, dilation, false, {0, 0}, groups);
+  }
+  return at::_slow_conv2d_forward(input, weight, weight.sizes().slice(2), bias, stride, padding);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_algo(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+    std::array<bool, 3> output_mask, int64_t algo_data, int64_t algo_weight) {
+  const char* op = "conv2d_backward_algo";
+  const bool ok = im2col_applies(input, weight, dilation, groups);
+  check_conv_algo(algo_data, ok, op, "backward-data");
+  check_conv_algo(algo_weight, ok, op, "backward-weight");
+  auto part = [&](int64_t algo, std::array<bool, 3> mask) {
+    if (algo == kAtenAlgo) {
+      return at::convolution_backward(grad_output, input, weight, std::nullopt, stride, padding,
+                                      dilation, false, {0, 0}, groups, mask);
+    }
+    return at::_slow_conv2d_backward(grad_output, input, weight, weight.sizes().slice(2), stride,
+                                     padding, mask);
+  };
+  at::Tensor grad_input, grad_weight, grad_bias;
+  if (output_mask[0]) grad_input = std::get<0>(part(algo_data, {true, false, false}));
+  if (output_mask[1]) grad_weight = std::get<1>(part(algo_weight, {false, true, false}));
+  if (output_mask[2]) grad_bias = grad_output.sum({0, 2, 3});
+  return {grad_input, grad_weight, grad_bias};
+}
+
+// [n_forward, ids..., n_backward_data, ids..., n_backward_weight, ids...]
+std::vector<int64_t> conv2d_algorithms(const at::Tensor& input, const at::Tensor& weight,
+                                       at::IntArrayRef stride, at::IntArrayRef padding,
+                                       at::IntArrayRef dilation, int64_t groups) {
+  std::vector<int64_t> ids = {kAtenAlgo};
+  if (im2col_applies(input, weight, dilation, groups)) ids.push_back(kIm2colAlgo);
+  std::vector<int64_t> flat;
+  for (int which = 0; which < 3; ++which) {
+    flat.push_back(static_cast<int64_t>(ids.size()));
+    flat.insert(flat.end(), ids.begin(), ids.end());
+  }
+  return flat;
+}
+
 }  // namespace
 }  // namespace monet_like
 
@@ -597,6 +674,16 @@ TORCH_LIBRARY(monet_like, m) {
       "batch_norm_inplace_(Tensor(a!) self, Tensor? weight, Tensor? bias, "
       "Tensor(b!)? running_mean, Tensor(c!)? running_var, float momentum, float eps) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "conv2d_algo(Tensor input, Tensor weight, Tensor? bias, int[2] stride, int[2] padding, "
+      "int[2] dilation, int groups, int algo) -> Tensor");
+  m.def(
+      "conv2d_backward_algo(Tensor grad_output, Tensor input, Tensor weight, int[2] stride, "
+      "int[2] padding, int[2] dilation, int groups, bool[3] output_mask, int algo_data, "
+      "int algo_weight) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "conv2d_algorithms(Tensor input, Tensor weight, int[2] stride, int[2] padding, "
+      "int[2] dilation, int groups) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(monet_like, CPU, m) {
@@ -607,6 +694,9 @@ TORCH_LIBRARY_IMPL(monet_like, CPU, m) {
   m.impl("batch_norm_backward_from_output", &monet_like::batch_norm_backward_from_output);
   m.impl("hardtanh_backward_from_output", &monet_like::hardtanh_backward_from_output);
   m.impl("batch_norm_inplace_", &monet_like::batch_norm_inplace_);
+  m.impl("conv2d_algo", &monet_like::conv2d_algo);
+  m.impl("conv2d_backward_algo", &monet_like::conv2d_backward_algo);
+  m.impl("conv2d_algorithms", &monet_like::conv2d_algorithms);
 }
 
 #ifdef MONET_LIKE_PYTHON_MODULE

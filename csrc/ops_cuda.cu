@@ -1,9 +1,10 @@
 // CUDA kernels of the monet_like operators, and the cuDNN convolution with an explicitly chosen
 // algorithm (MONeT's `conv` mode).
 //
-// The schemas of ops 1-7 below are defined by TORCH_LIBRARY(monet_like) in csrc/ops.cpp, together
-// with their CPU kernels; this file only adds CUDA kernels for them. The conv_cudnn_* ops exist
-// only with CUDA, so this file defines their schemas itself (TORCH_LIBRARY_FRAGMENT).
+// The schemas of ops 1-7 below, and of the device-generic conv2d_algo, conv2d_backward_algo and
+// conv2d_algorithms (at the end), are defined by TORCH_LIBRARY(monet_like) in csrc/ops.cpp,
+// together with their CPU kernels; this file only adds CUDA kernels for them. The conv_cudnn_*
+// ops exist only with CUDA, so this file defines their schemas itself (TORCH_LIBRARY_FRAGMENT).
 //
 // Everything lives in this one translation unit to keep the build short: compiling a .cu file
 // against torch's headers takes minutes on a small machine.
@@ -20,7 +21,10 @@
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/Atomic.cuh>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/convolution.h>
+#include <ATen/ops/convolution_backward.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -1056,6 +1060,86 @@ at::Tensor conv_cudnn_backward_weight_cuda(const at::Tensor& grad_output, const 
 
 #endif  // MONET_LIKE_WITH_CUDNN
 
+// --------------------------------------------------------------------------------------------
+// The device-generic conv ops of csrc/ops.cpp on CUDA: algorithm -1 is PyTorch's own choice
+// (at::convolution), any other is a cuDNN algorithm id of its direction.
+
+constexpr int64_t kAtenAlgo = -1;
+
+at::Tensor conv2d_algo_cuda(const at::Tensor& input, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                            at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                            int64_t algo) {
+  if (algo == kAtenAlgo) {
+    return at::convolution(input, weight, bias, stride, padding, dilation, false, {0, 0}, groups);
+  }
+#ifdef MONET_LIKE_WITH_CUDNN
+  return conv_cudnn_forward_cuda(input, weight, bias, stride, padding, dilation, groups, algo);
+#else
+  TORCH_CHECK(false, "conv2d_algo: algorithm ", algo, " needs cuDNN, absent from this build");
+#endif
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_algo_cuda(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+    std::array<bool, 3> output_mask, int64_t algo_data, int64_t algo_weight) {
+#ifndef MONET_LIKE_WITH_CUDNN
+  TORCH_CHECK(algo_data == kAtenAlgo && algo_weight == kAtenAlgo, "conv2d_backward_algo: ",
+              "algorithms other than -1 need cuDNN, absent from this build");
+#endif
+  auto aten_part = [&](std::array<bool, 3> mask) {
+    return at::convolution_backward(grad_output, input, weight, std::nullopt, stride, padding,
+                                    dilation, false, {0, 0}, groups, mask);
+  };
+  at::Tensor grad_input, grad_weight, grad_bias;
+  if (output_mask[0]) {
+#ifdef MONET_LIKE_WITH_CUDNN
+    grad_input = algo_data == kAtenAlgo
+                     ? std::get<0>(aten_part({true, false, false}))
+                     : conv_cudnn_backward_data_cuda(grad_output, weight, input.sym_sizes(), stride,
+                                                     padding, dilation, groups, algo_data);
+#else
+    grad_input = std::get<0>(aten_part({true, false, false}));
+#endif
+  }
+  if (output_mask[1]) {
+#ifdef MONET_LIKE_WITH_CUDNN
+    grad_weight = algo_weight == kAtenAlgo
+                      ? std::get<1>(aten_part({false, true, false}))
+                      : conv_cudnn_backward_weight_cuda(grad_output, input, weight.sym_sizes(),
+                                                        stride, padding, dilation, groups,
+                                                        algo_weight);
+#else
+    grad_weight = std::get<1>(aten_part({false, true, false}));
+#endif
+  }
+  if (output_mask[2]) grad_bias = grad_output.sum({0, 2, 3});
+  return {grad_input, grad_weight, grad_bias};
+}
+
+// [n_forward, ids..., n_backward_data, ids..., n_backward_weight, ids...], -1 first in each.
+std::vector<int64_t> conv2d_algorithms_cuda(const at::Tensor& input, const at::Tensor& weight,
+                                            at::IntArrayRef stride, at::IntArrayRef padding,
+                                            at::IntArrayRef dilation, int64_t groups) {
+#ifdef MONET_LIKE_WITH_CUDNN
+  const std::vector<int64_t> cudnn =
+      conv_cudnn_algorithms_cuda(input, weight, stride, padding, dilation, groups);
+#else
+  const std::vector<int64_t> cudnn = {0, 0, 0};
+#endif
+  std::vector<int64_t> flat;
+  size_t at = 0;
+  for (int which = 0; which < 3; ++which) {
+    const int64_t n = cudnn[at++];
+    flat.push_back(n + 1);
+    flat.push_back(kAtenAlgo);
+    flat.insert(flat.end(), cudnn.begin() + at, cudnn.begin() + at + n);
+    at += n;
+  }
+  return flat;
+}
+
 }  // namespace monet_like_cuda
 
 #ifdef MONET_LIKE_WITH_CUDNN
@@ -1083,6 +1167,9 @@ TORCH_LIBRARY_IMPL(monet_like, CUDA, m) {
   m.impl("batch_norm_backward_from_output", &batch_norm_backward_from_output_cuda);
   m.impl("hardtanh_backward_from_output", &hardtanh_backward_from_output_cuda);
   m.impl("batch_norm_inplace_", &batch_norm_inplace_cuda);
+  m.impl("conv2d_algo", &conv2d_algo_cuda);
+  m.impl("conv2d_backward_algo", &conv2d_backward_algo_cuda);
+  m.impl("conv2d_algorithms", &conv2d_algorithms_cuda);
 #ifdef MONET_LIKE_WITH_CUDNN
   m.impl("conv_cudnn_algorithms", &conv_cudnn_algorithms_cuda);
   m.impl("conv_cudnn_forward", &conv_cudnn_forward_cuda);

@@ -296,7 +296,7 @@ def cmd_solve(args) -> dict:
     if baseline is not None and not sol.variants:  # the captured graph's schedule won
         graph, prof = baseline
         print("  the captured graph's own schedule is faster: no variant is used", flush=True)
-    finalize(graph, sol, prof.workspace_by_op())
+    finalize(graph, sol, prof.workspace_by_op(graph, sol.algorithms))
     out = args.output or os.path.join(
         args.output_dir, default_solution_name(spec.name, args.batch, args.mode, args.budget_gb)
     )
@@ -312,6 +312,7 @@ def cmd_solve(args) -> dict:
         f"  status {sol.status}; {sum(sol.keep)} of {len(sol.keep)} units kept,"
         f" {recomputed} recomputations"
         + (f"; {len(sol.variants_off)} variant sites turned off" if sol.variants_off else "")
+        + (_algorithms(sol.algorithms) if sol.algorithms else "")
         + "\n"
         f"  predicted peak {sol.predicted_peak_bytes / GIB:.3f} GB (budget {args.budget_gb:g} GB,"
         f" store-all {sol.store_all_peak_bytes / GIB:.3f} GB, fixed part"
@@ -347,6 +348,15 @@ def _sites(graph) -> str:
     return "variants: " + ", ".join(
         f"{name} x{n}" + (" (the solver's choice)" if free else "")
         for (name, free), n in sorted(counts.items())
+    )
+
+
+def _algorithms(chosen: dict[str, list[int]]) -> str:
+    """'; convolution algorithms other than PyTorch's: 5 forward, 3 backward-data, ...'."""
+    counts = [sum(1 for a in chosen.values() if a[i] != -1) for i in range(3)]
+    named = zip(counts, ("forward", "backward-data", "backward-weight"), strict=True)
+    return "; convolution algorithms other than PyTorch's: " + ", ".join(
+        f"{n} {what}" for n, what in named
     )
 
 

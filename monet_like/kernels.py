@@ -43,6 +43,9 @@ OPS: tuple[str, ...] = (
     "batch_norm_backward_from_output",
     "hardtanh_backward_from_output",
     "batch_norm_inplace_",
+    "conv2d_algo",
+    "conv2d_backward_algo",
+    "conv2d_algorithms",
 )
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -363,6 +366,55 @@ def _batch_norm_inplace_fake(
     return mean, invstd
 
 
+def _conv2d_algo_fake(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+    algo: int,
+) -> torch.Tensor:
+    return torch.ops.aten.convolution.default(
+        input, weight, bias, stride, padding, dilation, False, [0, 0], groups
+    )
+
+
+def _conv2d_backward_algo_fake(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+    output_mask: list[bool],
+    algo_data: int,
+    algo_weight: int,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    grad_input = _contiguous_like(input) if output_mask[0] else None
+    grad_weight = _contiguous_like(weight) if output_mask[1] else None
+    grad_bias = grad_output.new_empty((weight.shape[0],)) if output_mask[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
+def _conv_setup_context(ctx, inputs, output) -> None:
+    input, weight, bias, stride, padding, dilation, groups, _algo = inputs
+    ctx.save_for_backward(input, weight)
+    ctx.conv = (stride, padding, dilation, groups, bias is not None)
+
+
+def _conv_backward(ctx, grad_output):
+    input, weight = ctx.saved_tensors
+    stride, padding, dilation, groups, has_bias = ctx.conv
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
+    grads = torch.ops.monet_like.conv2d_backward_algo(
+        grad_output, input, weight, stride, padding, dilation, groups, mask, -1, -1
+    )
+    return *grads, None, None, None, None, None
+
+
 _FAKES = {
     "relu_mask": _relu_mask_fake,
     "relu_backward_mask": _relu_backward_mask_fake,
@@ -371,6 +423,9 @@ _FAKES = {
     "batch_norm_backward_from_output": _batch_norm_backward_from_output_fake,
     "hardtanh_backward_from_output": _hardtanh_backward_from_output_fake,
     "batch_norm_inplace_": _batch_norm_inplace_fake,
+    "conv2d_algo": _conv2d_algo_fake,
+    "conv2d_backward_algo": _conv2d_backward_algo_fake,
+    # conv2d_algorithms asks the device which algorithms exist: no fake kernel
 }
 _python_kernels_registered = False
 
@@ -384,6 +439,9 @@ def _register_python_kernels() -> None:
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake)
     torch.library.register_autograd(
         f"{NAMESPACE}::max_pool2d_compact", _pool_backward, setup_context=_pool_setup_context
+    )
+    torch.library.register_autograd(
+        f"{NAMESPACE}::conv2d_algo", _conv_backward, setup_context=_conv_setup_context
     )
     _python_kernels_registered = True
 

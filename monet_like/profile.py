@@ -33,7 +33,7 @@ from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocations_under, record_allocations
 
-PROFILE_FORMAT = 3
+PROFILE_FORMAT = 4  # 4: algorithms
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,44 @@ class Profile:
     op_forward_s: float = 0.0  # whole-step totals over every op, attributed or not
     op_backward_s: float = 0.0
     profile_seconds: float = 0.0
+    # conv mode: per convolution site, per direction ("forward", "data", "weight"), the
+    # algorithms the device offers as [algorithm, seconds, workspace bytes]
+    algorithms: dict[str, dict[str, list[list]]] = field(default_factory=dict)
     cached: bool = field(default=False, compare=False)
 
-    def workspace_by_op(self) -> dict[int, int]:
-        """Transient bytes per op index of the graph, for `memory.store_all_timeline`."""
-        return dict(self.op_workspace)
+    def workspace_by_op(
+        self, graph: Graph | None = None, algorithms: dict[str, list[int]] | None = None
+    ) -> dict[int, int]:
+        """Transient bytes per op index of the graph, for `memory.store_all_timeline`.
+
+        With `graph`, each convolution whose algorithms were measured (conv mode) takes
+        the measured workspace of the algorithms in `algorithms` (site -> [forward,
+        backward-data, backward-weight]; PyTorch's own, -1, for a site not named)."""
+        workspace = dict(self.op_workspace)
+        if graph is None or not self.algorithms:
+            return workspace
+        from monet_like.variants import algorithm_sites
+
+        algorithms = algorithms or {}
+        op_index = {op.name: op.index for op in graph.ops}
+
+        def bytes_of(rows: list[list], algo: int) -> int:
+            return next(ws for a, _, ws in rows if a == algo)
+
+        for site in algorithm_sites(graph):
+            options = self.algorithms.get(site["id"])
+            if options is None:
+                continue
+            forward, data, weight = algorithms.get(site["id"], (-1, -1, -1))
+            workspace[op_index[site["forward"][0]]] = bytes_of(options["forward"], forward)
+            if site["backward"] in op_index:
+                parts = [
+                    bytes_of(options[d], a)
+                    for d, a in (("data", data), ("weight", weight))
+                    if d in options
+                ]
+                workspace[op_index[site["backward"]]] = max(parts, default=0)
+        return workspace
 
     @property
     def step_time_s(self) -> float:
@@ -239,6 +272,110 @@ def _extrapolate(w1: list[int], b1: int, w2: list[int], b2: int, batch: int) -> 
     return [int(w) for w in _extrapolate_float(w1, b1, w2, b2, batch)]
 
 
+def _measure_call(call, device: torch.device, repeats: int) -> tuple[float, int]:
+    """Median seconds of `call()` over `repeats` runs after a warm-up, and its workspace:
+    the peak bytes it allocates above what it returns."""
+    cuda = device.type == "cuda"
+    samples = []
+    for r in range(repeats + 1):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        call()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if r:
+            samples.append(time.perf_counter() - t0)
+    held: list = []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        held.append(call())
+        torch.cuda.synchronize(device)
+        after = torch.cuda.memory_allocated(device)
+        return statistics.median(samples), max(0, torch.cuda.max_memory_allocated(device) - after)
+    roots = record_allocations(lambda: held.append(call()))
+    running = peak = 0
+    for _, size in allocations_under(roots or []):
+        running += size
+        peak = max(peak, running)
+    return statistics.median(samples), max(0, peak - max(running, 0))
+
+
+def _algorithm_options(
+    graph: Graph, device: torch.device, batch: int, repeats: int
+) -> dict[str, dict[str, list[list]]]:
+    """Every algorithm of every convolution site (variants.conv), run alone on random
+    tensors of the site's shapes at `batch`: [algorithm, seconds, workspace bytes]."""
+    from monet_like.variants import algorithm_sites
+
+    ops = torch.ops.monet_like
+    nodes = {n.name: n for n in graph.fx.graph.nodes}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def real(node, rows: int | None = None) -> torch.Tensor | None:
+        if node is None:
+            return None
+        v = node.meta["val"]
+        shape = [rows, *v.shape[1:]] if rows is not None else list(v.shape)
+        return torch.randn(shape, generator=gen, dtype=v.dtype).to(device)
+
+    out: dict[str, dict[str, list[list]]] = {}
+    for site in algorithm_sites(graph):
+        fwd = nodes[site["forward"][0]]
+        x_node, w_node, b_node, stride, padding, dilation, groups, _ = fwd.args
+        x, w, b = real(x_node, batch), real(w_node), real(b_node)
+        geometry = (stride, padding, dilation, groups)
+        flat = list(ops.conv2d_algorithms(x, w, *geometry))
+        n_fwd, n_data = flat[0], flat[flat[0] + 1]
+        choices = {
+            "forward": flat[1 : 1 + n_fwd],
+            "data": flat[n_fwd + 2 : n_fwd + 2 + n_data],
+            "weight": flat[n_fwd + n_data + 3 :],
+        }
+        entry: dict[str, list[list]] = {"forward": []}
+        for a in choices["forward"]:
+            call = lambda a=a: ops.conv2d_algo(x, w, b, *geometry, a)  # noqa: E731
+            entry["forward"].append([a, *_measure_call(call, device, repeats)])
+        if site["backward"]:
+            grad = torch.randn_like(ops.conv2d_algo(x, w, b, *geometry, -1))
+            mask = nodes[site["backward"]].args[7]
+            for k, direction in enumerate(("data", "weight")):
+                if not mask[k]:
+                    continue
+                part = [k == 0, k == 1, False]
+                entry[direction] = []
+                for a in choices[direction]:
+                    algos = (a, -1) if k == 0 else (-1, a)
+
+                    def call(part=part, algos=algos):
+                        return ops.conv2d_backward_algo(grad, x, w, *geometry, part, *algos)
+
+                    entry[direction].append([a, *_measure_call(call, device, repeats)])
+        out[site["id"]] = entry
+    return out
+
+
+def _scale_algorithms(small: dict, b1: int, large: dict | None, b2: int, batch: int) -> dict:
+    """Times and workspace of each algorithm at `batch`, fitted as a + b * batch through
+    the two measured batches (scaled linearly when there is only one)."""
+    result: dict = {}
+    for site, entry in small.items():
+        result[site] = {}
+        for direction, rows in entry.items():
+            scaled = []
+            for i, (algo, t, ws) in enumerate(rows):
+                if large is None:
+                    factor = batch / b1
+                    scaled.append([algo, t * factor, int(ws * factor)])
+                    continue
+                _, t2, ws2 = large[site][direction][i]
+                (t_fit,) = _extrapolate_float([t], b1, [t2], b2, batch)
+                (ws_fit,) = _extrapolate([ws], b1, [ws2], b2, batch)
+                scaled.append([algo, t_fit, ws_fit])
+            result[site][direction] = scaled
+    return result
+
+
 def _real_args(model: nn.Module, graph: Graph, device: torch.device, dtype: torch.dtype):
     """Placeholders for the joint graph: parameters, copies of buffers, input, tangents."""
     from monet_like.models import make_input
@@ -364,6 +501,20 @@ def profile(
         bar.close()
 
     scale = 1.0 if time_fit or not scaled else graph.batch / profile_batch
+    from monet_like.variants import algorithm_sites
+
+    algorithms: dict = {}
+    if graph.fx is not None and algorithm_sites(graph):
+        with torch.no_grad():
+            algorithms = _algorithm_options(graph, device, profile_batch, repeats)
+            if scaled:
+                other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
+                other = None
+                if other_batch != profile_batch:
+                    other = _algorithm_options(graph, device, other_batch, repeats)
+                algorithms = _scale_algorithms(
+                    algorithms, profile_batch, other, other_batch, graph.batch
+                )
     ops = graph.ops
     nodes = []
     for n in graph.nodes:
@@ -400,7 +551,12 @@ def profile(
         op_forward_s=sum(times[o.index] for o in ops if o.phase == FORWARD) * scale,
         op_backward_s=sum(times[o.index] for o in ops if o.phase == BACKWARD) * scale,
         profile_seconds=time.perf_counter() - started,
+        algorithms=algorithms,
     )
+    if algorithms:
+        # One measurement per convolution op: PyTorch's own algorithm as measured alone,
+        # so that the store-all prediction and the solver's options agree.
+        result.op_workspace = [(i, w) for i, w in sorted(result.workspace_by_op(graph).items()) if w]
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

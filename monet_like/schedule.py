@@ -67,7 +67,7 @@ def build(graph: Graph, solution: Solution) -> Schedule:
         )
     # Variant sites the solver turned off run the aten op they replaced; the forward
     # ops such a variant added are gone from the module, and skipped below.
-    gm = select(graph, solution.variants_off).fx
+    gm = select(graph, solution.variants_off, solution.algorithms).fx
     fx_nodes = {n.name: n for n in gm.graph.nodes}
     getitems: dict[str, list[str]] = {}
     for n in gm.graph.nodes:

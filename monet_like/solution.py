@@ -14,7 +14,7 @@ from pathlib import Path
 
 from monet_like import __version__
 
-FORMAT_VERSION = 2  # 2: variants_off
+FORMAT_VERSION = 3  # 2: variants_off; 3: algorithms
 
 
 class SolutionFileError(ValueError):
@@ -56,6 +56,9 @@ class Solution:
     # turned off (their replaced aten op runs instead).
     variants: list[str] | None = None
     variants_off: list[str] = field(default_factory=list)
+    # conv mode: convolution site -> [forward, backward-data, backward-weight] algorithms,
+    # for those not left to PyTorch (-1)
+    algorithms: dict[str, list[int]] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     library_version: str = __version__
     extra: dict = field(default_factory=dict)
@@ -67,7 +70,7 @@ class Solution:
 
     def summary(self) -> dict:
         d = asdict(self)
-        for key in ("keep", "units", "stages", "variants_off"):
+        for key in ("keep", "units", "stages", "variants_off", "algorithms"):
             d.pop(key)
         return d
 

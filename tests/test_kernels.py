@@ -281,6 +281,78 @@ def test_hardtanh_backward_from_output(ops, bounds):
     )
 
 
+# --------------------------------------------------------------------------- convolution
+
+# (input shape, weight shape, stride, padding, bias)
+CONVS = [
+    ((2, 8, 9, 9), (6, 8, 3, 3), [1, 1], [1, 1], False),
+    ((2, 8, 9, 9), (6, 8, 1, 1), [1, 1], [0, 0], True),
+    ((2, 8, 9, 9), (6, 8, 1, 1), [2, 2], [0, 0], False),
+    ((2, 3, 16, 16), (4, 3, 7, 7), [2, 2], [3, 3], True),
+    ((1, 4, 6, 5), (3, 4, 3, 2), [1, 2], [1, 0], True),
+]
+
+
+def conv_case(cfg, g: torch.Generator, dtype=torch.float32):
+    x_shape, w_shape, stride, padding, has_bias = cfg
+    x = torch.randn(x_shape, generator=g, dtype=dtype)
+    w = torch.randn(w_shape, generator=g, dtype=dtype)
+    b = torch.randn(w_shape[0], generator=g, dtype=dtype) if has_bias else None
+    return x, w, b, (stride, padding, [1, 1], 1)
+
+
+@pytest.mark.parametrize("cfg", CONVS)
+def test_conv_algorithms_match_aten(ops, cfg):
+    x, w, b, geometry = conv_case(cfg, gen(21))
+    stride, padding, dilation, groups = geometry
+    assert ops.conv2d_algorithms(x, w, *geometry) == [2, -1, 0] * 3
+    ref = aten.convolution(x, w, b, stride, padding, dilation, False, [0, 0], groups)
+    assert same_bits(ops.conv2d_algo(x, w, b, *geometry, -1), ref)  # PyTorch's own choice
+    assert rel(ops.conv2d_algo(x, w, b, *geometry, 0), ref) < 1e-6  # im2col: another sum order
+    dy = torch.randn(ref.shape, generator=gen(22))
+    bias_sizes = [w.shape[0]] if b is not None else None
+    mask = [True, True, b is not None]
+    want = aten.convolution_backward(
+        dy, x, w, bias_sizes, stride, padding, dilation, False, [0, 0], groups, mask
+    )
+    for data in (-1, 0):
+        for weight in (-1, 0):
+            got = ops.conv2d_backward_algo(dy, x, w, *geometry, mask, data, weight)
+            for k in range(3 if b is not None else 2):
+                assert rel(got[k], want[k]) < 1e-6, (data, weight, k)
+            if (data, weight) == (-1, -1):  # the same oneDNN kernels, one part at a time
+                assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+            if b is None:
+                assert got[2] is None
+
+
+def test_conv_backward_parts_follow_the_mask(ops):
+    x, w, _, geometry = conv_case(CONVS[0], gen(23))
+    dy = torch.randn(2, 6, 9, 9, generator=gen(24))
+    gi, gw, gb = ops.conv2d_backward_algo(dy, x, w, *geometry, [False, True, False], 0, 0)
+    assert gi is None and gb is None and gw.shape == w.shape
+
+
+def test_conv_grouped_or_dilated_offers_only_pytorchs_choice(ops):
+    x = torch.randn(2, 8, 9, 9)
+    depthwise = torch.randn(8, 1, 3, 3)
+    assert ops.conv2d_algorithms(x, depthwise, [1, 1], [1, 1], [1, 1], 8) == [1, -1] * 3
+    with pytest.raises(RuntimeError, match="only -1"):
+        ops.conv2d_algo(x, depthwise, None, [1, 1], [1, 1], [1, 1], 8, 0)
+    w = torch.randn(4, 8, 3, 3)
+    assert ops.conv2d_algorithms(x, w, [1, 1], [2, 2], [2, 2], 1) == [1, -1] * 3
+    with pytest.raises(RuntimeError, match="backward-weight algorithm 3"):
+        dy = torch.randn(2, 4, 9, 9)
+        ops.conv2d_backward_algo(dy, x, w, [1, 1], [1, 1], [1, 1], 1, [True, True, False], 0, 3)
+
+
+@pytest.mark.parametrize("algo", [-1, 0])
+def test_gradcheck_conv_registered_autograd(ops, algo):
+    x, w, b, geometry = conv_case(CONVS[3], gen(25), torch.float64)
+    args = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_())
+    assert torch.autograd.gradcheck(lambda *t: ops.conv2d_algo(*t, *geometry, algo), args)
+
+
 # --------------------------------------------------------------------------- opcheck
 
 
@@ -292,6 +364,8 @@ def opcheck_cases(ops) -> list[tuple[str, object, tuple]]:
     bn_y, _, invstd = aten.native_batch_norm(x, weight, bias, None, None, True, 0.1, EPS)
     pool_args = ([3, 3], [2, 2], [1, 1], [1, 1], True)
     out, idx = ops.max_pool2d_compact(x, *pool_args)
+    cw, cb = torch.randn(4, 3, 3, 3, generator=g), torch.randn(4, generator=g)
+    geometry = ([1, 1], [1, 1], [1, 1], 1)
     return [
         ("relu_mask", ops.relu_mask, (y,)),
         ("relu_backward_mask", ops.relu_backward_mask, (torch.randn_like(x), ops.relu_mask(y))),
@@ -321,6 +395,22 @@ def opcheck_cases(ops) -> list[tuple[str, object, tuple]]:
             ops.batch_norm_inplace_,
             (x.clone(), weight, bias, torch.zeros(3), torch.ones(3), 0.1, EPS),
         ),
+        *[
+            (
+                f"conv2d_algo_{algo}",
+                ops.conv2d_algo,
+                (x.clone().requires_grad_(), cw.clone().requires_grad_(), cb, *geometry, algo),
+            )
+            for algo in (-1, 0)
+        ],
+        *[
+            (
+                f"conv2d_backward_algo_{mask}",
+                ops.conv2d_backward_algo,
+                (torch.randn(2, 4, 5, 5, generator=g), x, cw, *geometry, mask, 0, -1),
+            )
+            for mask in ([True, True, True], [False, True, False])
+        ],
     ]
 
 
@@ -332,7 +422,8 @@ def test_opcheck_every_op(ops):
         result = opcheck(op, args)
         assert set(result.values()) == {"SUCCESS"}, (name, result)
         checked.add(op._qualified_op_name.split("::")[1])
-    assert checked >= set(kernels.OPS)
+    # conv2d_algorithms asks the device which algorithms it has: no tensor op to check
+    assert checked >= set(kernels.OPS) - {"conv2d_algorithms"}
 
 
 # --------------------------------------------------------------------------- gradcheck

@@ -67,7 +67,6 @@ def test_infeasible_budget_exits_2_with_smallest_feasible_budget():
 @pytest.mark.parametrize(
     "args, message",
     [
-        ([*MODEL, "5", "inplace_conv_multiway_newnode", "CBC"], "not built yet"),
         ([*MODEL, "5", "normal", "NOSUCH"], "unknown solver"),
         ([*MODEL, "-1", "normal", "CBC"], "positive"),
         ([*MODEL, "5", "turbo", "CBC"], "unknown mode"),

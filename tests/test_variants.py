@@ -20,18 +20,18 @@ from monet_like.solver import min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
 from monet_like.variants import REGISTRY, apply, describe, parse_mode
 
-FULL = "inplace_multiway_newnode"
+FULL = "inplace_conv_multiway_newnode"
 
 
 def targets(graph) -> Counter:
     return Counter(op.target.removesuffix(".default") for op in graph.ops)
 
 
-def test_modes_parse_and_conv_says_it_is_not_built():
+def test_modes_parse():
     assert parse_mode("normal") == ()
     assert parse_mode("newnode_inplace_multiway") == ("multiway", "inplace", "newnode")
-    with pytest.raises(UserError, match="not built yet: conv"):
-        parse_mode("inplace_conv_multiway_newnode")
+    assert parse_mode(FULL) == ("multiway", "inplace", "newnode", "conv")
+    assert parse_mode("conv_normal") == ("conv",)
     with pytest.raises(UserError, match="unknown mode"):
         parse_mode("turbo")
 
@@ -40,7 +40,7 @@ def test_registry_describes_every_variant():
     rows = describe()
     assert {r["variant"] for r in rows} == set(REGISTRY)
     for row in rows:
-        assert row["flag"] in ("inplace", "multiway", "newnode") and row["replaces"]
+        assert row["flag"] in ("inplace", "conv", "multiway", "newnode") and row["replaces"]
 
 
 def test_resnet_rewrites_only_where_valid():
@@ -48,7 +48,7 @@ def test_resnet_rewrites_only_where_valid():
     graph = capture(model, (3, 32, 32), 2)
     full = apply(graph, FULL)
     before, after = targets(graph), targets(full)
-    assert full.variants == ("multiway", "inplace", "newnode") and graph.variants == ()
+    assert full.variants == ("multiway", "inplace", "newnode", "conv") and graph.variants == ()
     # Every ReLU backward reads a 1-bit mask; the one max-pool keeps byte indices.
     relus = before["aten.threshold_backward"]
     assert relus == 17 and after["monet_like.relu_mask"] == relus
@@ -64,6 +64,11 @@ def test_resnet_rewrites_only_where_valid():
     pool = next(o for o in full.ops if o.target.startswith("monet_like.max_pool2d_compact_b"))
     assert len(pool.reads) == 2  # the incoming gradient and the byte indices
     assert full.fingerprint != graph.fingerprint
+    # Every convolution and its backward name their algorithms (PyTorch's own, -1, as
+    # rewritten); the first one computes no input gradient.
+    assert before["aten.convolution"] == after["monet_like.conv2d_algo"] == 20
+    assert after["monet_like.conv2d_backward_algo"] == 20 and after["aten.convolution"] == 0
+    assert len([s for s in full.sites if s.get("algorithm")]) == 20
 
 
 def test_mobilenet_batch_norm_from_output_and_in_place():
@@ -109,7 +114,7 @@ def test_full_mode_replay_matches_eager(expression, shape, batch, tmp_path):
     low = min_feasible_budget(problem, 16, False, "HIGHS")
     for budget in sorted({problem.store_all_peak_bytes, low}, reverse=True):
         sol = solve(graph, prof, budget, mode=FULL, solver="HIGHS", time_limit=120)
-        finalize(graph, sol, prof.workspace_by_op())
+        finalize(graph, sol, prof.workspace_by_op(graph, sol.algorithms))
         assert sol.predicted_peak_bytes <= budget
         path = sol.save(tmp_path / f"{budget}.json")
 
@@ -217,6 +222,48 @@ def test_sites_turned_off_replay_the_aten_ops_they_replaced(resnet_newnode, tmp_
     default_loss(wrapped(x)).backward()
     for p, q in zip(eager.parameters(), replayed.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+    replayed.zero_grad(set_to_none=True)
+    allocator = measure_allocator(
+        lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(replayed), x]
+    )
+    assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
+
+
+def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_path):
+    """conv mode: every convolution's algorithms are measured; below the store-all peak
+    the solver trades PyTorch's own for others (oneDNN's reorders cost workspace that
+    im2col does not need on 1x1 layers); the replay runs the chosen kernels, trains like
+    eager PyTorch, and the allocator's peak is the predicted one."""
+    torch.manual_seed(0)
+    expression, shape, batch = "torchvision.models.resnet18()", (3, 64, 64), 8
+    model = parse_model(expression).build()
+    graph = apply(capture(model, shape, batch, model_name=expression), "conv")
+    prof = profile(model, graph, repeats=1, progress=False)
+    assert len(prof.algorithms) == 20
+    for options in prof.algorithms.values():
+        for direction, rows in options.items():
+            assert [a for a, _, _ in rows] == [-1, 0] and all(t > 0 for _, t, _ in rows)
+    problem = build_problem(graph, prof)
+    assert len(problem.algorithms) == 20
+    low = min_feasible_budget(problem, 16, False, "HIGHS")
+    budget = (low + problem.store_all_peak_bytes) // 2
+    sol = solve(graph, prof, budget, mode="conv", solver="HIGHS")
+    finalize(graph, sol, prof.workspace_by_op(graph, sol.algorithms))
+    assert sol.algorithms and sol.predicted_peak_bytes <= budget
+    path = sol.save(tmp_path / "conv.json")
+
+    eager, replayed, wrapped, x, _, _ = eager_and_replayed(model, path, shape, batch)
+    ran = {
+        n.name: list(n.args[-3:])
+        for n in wrapped._schedule.fx.graph.nodes
+        if n.target == torch.ops.monet_like.conv2d_backward_algo.default
+    }
+    site, (forward, data, weight) = next(iter(sol.algorithms.items()))
+    backward = next(s["backward"] for s in graph.sites if s["id"] == site)
+    assert ran[backward][1:] == [data, weight]
+    ge = torch.cat([p.grad.flatten() for p in eager.parameters()])
+    gr = torch.cat([p.grad.flatten() for p in replayed.parameters()])
+    assert _relative(ge, gr) <= 1e-5  # im2col sums in another order than oneDNN
     replayed.zero_grad(set_to_none=True)
     allocator = measure_allocator(
         lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(replayed), x]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from monet_like.errors import UserError
 from monet_like.solution import Solution
 from monet_like.solver.milp import (
@@ -251,6 +253,14 @@ def _solve(
             " give it more time (--time_limit) or use HIGHS"
         )
     off = [c.site for k, c in enumerate(problem.choices) if x[f.off_col[k]]]
+    algorithms = {}
+    for k, a in enumerate(problem.algorithms):
+        (forward,), _, _ = a.forward[int(np.argmax(x[f.fwd_cols[k]]))]
+        data = weight = -1
+        if a.backward:
+            (data, weight), _, _ = a.backward[int(np.argmax(x[f.bwd_cols[k]]))]
+        if (forward, data, weight) != (-1, -1, -1):
+            algorithms[a.site] = [int(forward), int(data), int(weight)]
     stages = []
     for t, s in enumerate(problem.stages):
         rec = [u for u in f.cand[t] if (t, u) in f.r_index and x[f.r_index[t, u]]]
@@ -281,6 +291,7 @@ def _solve(
         units=[list(u.nodes) for u in problem.units],
         stages=stages,
         variants_off=off,
+        algorithms=algorithms,
     )
 
 

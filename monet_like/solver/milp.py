@@ -87,6 +87,11 @@ class Formulation:
     budget_const: np.ndarray  # the constant subtracted on those rows (MiB)
     stats: dict = field(default_factory=dict)
     columns: list | None = field(default=None, repr=False)  # filled by evaluate()
+    # per algorithm choice: a column per forward option and per backward option
+    fwd_cols: list[np.ndarray] = field(default_factory=list)
+    bwd_cols: list[np.ndarray] = field(default_factory=list)
+    # (stage, unit) -> per forward option, "recomputed before the stage with it"
+    rec_alg: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
     @property
     def n_rows(self) -> int:
@@ -126,6 +131,21 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
     on_col = np.arange(col, col + len(problem.choices), dtype=int)
     off_col = on_col + len(problem.choices)
     col += 2 * len(problem.choices)
+    # algorithm choice k: one column per option of each direction; a recomputation of
+    # its unit is split by the forward option it runs (r = sum of those columns)
+    fwd_cols, bwd_cols = [], []
+    for a in problem.algorithms:
+        fwd_cols.append(np.arange(col, col + len(a.forward)))
+        col += len(a.forward)
+        bwd_cols.append(np.arange(col, col + len(a.backward)))
+        col += len(a.backward)
+    algorithm_of = {a.unit: k for k, a in enumerate(problem.algorithms)}
+    rec_alg: dict[tuple[int, int], np.ndarray] = {}
+    for t, u in r_index:
+        if u in algorithm_of:
+            n_opts = len(problem.algorithms[algorithm_of[u]].forward)
+            rec_alg[t, u] = np.arange(col, col + n_opts)
+            col += n_opts
     n_bool = col
     # continuous: y_k (forward kept bytes of units already consumed), z_t (kept, pinned),
     # w_t (largest workspace among the units recomputed before stage t)
@@ -177,6 +197,14 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
     for k in range(n_u):
         extra = const + still_needed[k] + problem.forward_extra[k] / MIB
         row(optional_at[k], [(y0 + k, 1.0)], 0.0, budget_const_mib=extra)
+    for k, a in enumerate(problem.algorithms):  # the convolution itself, with its workspace
+        u = a.unit
+        row(
+            optional_at[u] + [(j, o[2] / MIB) for j, o in zip(fwd_cols[k], a.forward, strict=True)],
+            [(y0 + u, 1.0)],
+            0.0,
+            budget_const_mib=const + still_needed[u] + a.forward_live / MIB,
+        )
 
     # -- backward stages -----------------------------------------------------------------
     # z_t = sum_{u: last_use(u) >= t} m_u keep_u, built as a running sum from the end.
@@ -217,6 +245,15 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         for u in c:
             if (t, u) in r_index and units[u].workspace_bytes:
                 row([(r_index[t, u], units[u].workspace_bytes / MIB)], [(w0 + t, -1.0)], 0.0)
+            if (t, u) in rec_alg:  # the convolution's workspace, by the option it runs
+                options = problem.algorithms[algorithm_of[u]].forward
+                for j, o in zip(rec_alg[t, u], options, strict=True):
+                    if o[2]:
+                        row([(j, o[2] / MIB)], [(w0 + t, -1.0)], 0.0)
+        for k, a in enumerate(problem.algorithms):  # a convolution's backward in this stage
+            if a.stage == t and a.backward:
+                ws = [(j, o[2] / MIB) for j, o in zip(bwd_cols[k], a.backward, strict=True)]
+                row(terms + ws, [(z0 + t, 1.0)], 0.0, budget_const_mib=const + a.backward_live / MIB)
         for u in stage.need:
             row([(j, -a) for j, a in present(t, u)], [], -1.0)  # P >= 1
         for u in c:
@@ -244,9 +281,31 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
             for u in units_needed:  # P[t,u] >= the option that reads it
                 row([(j, -a) for j, a in present(c.stage, u)] + [(chosen, 1.0)], [], 0.0)
 
+    for k, a in enumerate(problem.algorithms):
+        row([(j, 1.0) for j in fwd_cols[k]], [], 1.0, eq=True)
+        if a.backward:
+            row([(j, 1.0) for j in bwd_cols[k]], [], 1.0, eq=True)
+    for (t, u), cols in rec_alg.items():
+        row([(r_index[t, u], -1.0)] + [(j, 1.0) for j in cols], [], 0.0, eq=True)
+        for j, option_col in zip(cols, fwd_cols[algorithm_of[u]], strict=True):
+            row([(j, 1.0), (option_col, -1.0)], [], 0.0)  # recomputed with the option chosen
+
     cost = np.zeros(n_bool)
     for (_t, u), j in r_index.items():
         cost[j] = units[u].recompute_s / MS
+    for k, a in enumerate(problem.algorithms):  # above the fastest option: never negative
+        fastest = min(o[1] for o in a.forward)
+        cost[fwd_cols[k]] = [(o[1] - fastest) / MS for o in a.forward]
+        if a.backward:
+            fastest_bwd = min(o[1] for o in a.backward)
+            cost[bwd_cols[k]] = [(o[1] - fastest_bwd) / MS for o in a.backward]
+    for (t, u), cols in rec_alg.items():
+        a = problem.algorithms[algorithm_of[u]]
+        fastest = min(o[1] for o in a.forward)
+        # the unit's profiled recomputation ran PyTorch's choice: swap its time for the
+        # fastest option's, and the option chosen adds its excess
+        cost[r_index[t, u]] = max(0.0, units[u].recompute_s - a.forward_default_s + fastest) / MS
+        cost[cols] = [(o[1] - fastest) / MS for o in a.forward]
     for k, c in enumerate(problem.choices):  # above the cheaper option: never negative
         base = min(c.on_s, c.off_s)
         cost[on_col[k]] = (c.on_s - base) / MS
@@ -279,6 +338,9 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         is_eq=np.array(is_eq),
         budget_rows=np.array(budget_rows, dtype=int),
         budget_const=np.array(budget_const),
+        fwd_cols=fwd_cols,
+        bwd_cols=bwd_cols,
+        rec_alg=rec_alg,
     )
     f.stats = {
         "variables": n_bool + n_cont,
@@ -597,6 +659,12 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
         ([0], np.cumsum(np.bincount(last_fwd, weights=m * keep, minlength=n_u))[:-1])
     ).astype(np.int64)
     forward = p.constant_bytes + np.array(p.forward_extra, dtype=np.int64) + alive + consumed_kept
+    x = np.asarray(x_bool)
+    for k, a in enumerate(p.algorithms):  # a convolution with the workspace of its option
+        ws = sum(o[2] * int(x[j]) for j, o in zip(f.fwd_cols[k], a.forward, strict=True))
+        u = a.unit
+        at_conv = p.constant_bytes + a.forward_live + ws + alive[u] + consumed_kept[u]
+        forward[u] = max(forward[u], at_conv)
     k = int(np.argmax(forward))
     peak, where = int(forward[k]), f"forward unit {k}"
     # backward stage t: kept units alive until their last possible use, and the
@@ -607,14 +675,24 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
         last_use[in_backward], weights=(m * keep)[in_backward], minlength=len(p.stages)
     )
     z = np.cumsum(kept_until[::-1])[::-1]
-    x = np.asarray(x_bool)
+    algorithm_of = {a.unit: k for k, a in enumerate(p.algorithms)}
+    rec_ws: dict[int, int] = {}  # stage -> largest workspace of a convolution recomputed
+    for (t, u), cols in f.rec_alg.items():
+        for j, o in zip(cols, p.algorithms[algorithm_of[u]].forward, strict=True):
+            if x[j]:
+                rec_ws[t] = max(rec_ws.get(t, 0), o[2])
+    bwd_at: dict[int, int] = {}  # stage -> largest bytes at a convolution's backward
+    for k, a in enumerate(p.algorithms):
+        if a.stage is not None and a.backward:
+            ws = sum(o[2] * int(x[j]) for j, o in zip(f.bwd_cols[k], a.backward, strict=True))
+            bwd_at[a.stage] = max(bwd_at.get(a.stage, 0), a.backward_live + ws)
     for t, (stage, cols) in enumerate(zip(p.stages, _stage_columns(f), strict=True)):
         recomputed = np.where(cols.r_cols >= 0, x[np.maximum(cols.r_cols, 0)], 0)
         present = x[cols.s_cols] + recomputed
-        ws = int(cols.workspace[recomputed > 0].max(initial=0))
+        ws = max(int(cols.workspace[recomputed > 0].max(initial=0)), rec_ws.get(t, 0))
         live = (
             p.constant_bytes
-            + max(stage.grad_bytes, stage.start_bytes + ws)
+            + max(stage.grad_bytes, stage.start_bytes + ws, bwd_at.get(t, 0))
             + int(z[t])
             + int((m[cols.units] * (present - keep[cols.units])).sum())
             + int((side[cols.units] * recomputed).sum())

@@ -67,6 +67,39 @@ class Choice:
     off_s: float
 
 
+# An algorithm option: (algorithms, seconds, workspace bytes); algorithms is (forward,)
+# for a forward option and (backward-data, backward-weight) for a backward one.
+Option = tuple[tuple[int, ...], float, int]
+
+
+@dataclass(frozen=True)
+class AlgorithmChoice:
+    """A convolution whose algorithms the solver picks (monet_like.variants.conv): one
+    forward option, run where unit `unit` runs and again wherever it is recomputed, and
+    one backward option, run at stage `stage` (None: no backward). `forward_live` and
+    `backward_live` are the other bytes alive at those two ops, their workspace left out
+    (the option adds its own). Options keep the Pareto front of time and workspace; the
+    `*_default_s` are the times of PyTorch's own choice, which the profiled step ran."""
+
+    site: str
+    unit: int
+    forward_live: int
+    forward: tuple[Option, ...]
+    forward_default_s: float
+    stage: int | None
+    backward_live: int
+    backward: tuple[Option, ...]
+    backward_default_s: float
+
+    @property
+    def base_s(self) -> float:
+        """The profiled step's time above the fastest options."""
+        fastest_bwd = min((o[1] for o in self.backward), default=self.backward_default_s)
+        return (self.forward_default_s - min(o[1] for o in self.forward)) + (
+            self.backward_default_s - fastest_bwd
+        )
+
+
 @dataclass(frozen=True)
 class Problem:
     units: list[Unit]
@@ -77,12 +110,16 @@ class Problem:
     store_all_time_s: float  # forward + backward time of one eager step
     fixed_bytes: int  # params + grads + buffers + input (what no schedule removes)
     choices: tuple[Choice, ...] = ()
+    algorithms: tuple[AlgorithmChoice, ...] = ()
 
     @property
     def choice_base_s(self) -> float:
         """Time the choices' costs are counted above: the store-all step runs every
-        variant, so its time less each choice's on-cost above its cheaper option."""
-        return sum(c.on_s - min(c.on_s, c.off_s) for c in self.choices)
+        variant and PyTorch's own convolution algorithms, so its time less each choice's
+        cost above its cheapest option."""
+        return sum(c.on_s - min(c.on_s, c.off_s) for c in self.choices) + sum(
+            a.base_s for a in self.algorithms
+        )
 
 
 def build_problem(
@@ -96,6 +133,12 @@ def build_problem(
     from monet_like.memory import fixed_bytes, store_all_timeline
 
     workspace = workspace if workspace is not None else profile.workspace_by_op()
+    profiled_workspace = workspace
+    # Convolutions with algorithm options: their ops' workspace is the chosen option's,
+    # added by the MILP, so it is left out of every constant below.
+    algorithm_ops = _algorithm_ops(graph, profile)
+    chosen_ops = {i for f, b, _ in algorithm_ops.values() for i in (f, b) if i is not None}
+    workspace = {i: w for i, w in workspace.items() if i not in chosen_ops}
     node_time = {n.node: n.forward_s for n in profile.nodes}
     storages, ops = graph.storages, graph.ops
 
@@ -248,15 +291,75 @@ def build_problem(
     choices: list[Choice] = []
     if reference is not None:
         stages, choices = _choices(graph, profile, reference, stages, unit_of_storage)
+    stage_of = {i: t for t, st in enumerate(stages) for i in st.ops}
+    algorithms = [
+        AlgorithmChoice(
+            site=site,
+            unit=unit_of_node[graph.ops[fwd_op].node],
+            forward_live=other_no_ws[fwd_op],
+            forward=_pareto([((a,), t, ws) for a, t, ws in options["forward"]]),
+            forward_default_s=_default_s(options["forward"]),
+            stage=stage_of.get(bwd_op) if bwd_op is not None else None,
+            backward_live=other_no_ws[bwd_op] if bwd_op is not None else 0,
+            backward=_backward_options(options) if bwd_op is not None else (),
+            backward_default_s=sum(
+                _default_s(options[d]) for d in ("data", "weight") if d in options
+            ),
+        )
+        for site, (fwd_op, bwd_op, options) in algorithm_ops.items()
+        if graph.ops[fwd_op].node in unit_of_node
+    ]
     return Problem(
         units=units,
         stages=stages,
         choices=tuple(choices),
+        algorithms=tuple(algorithms),
         constant_bytes=constant,
         forward_extra=forward_extra,
-        store_all_peak_bytes=store_all_timeline(graph, workspace).peak_bytes,
+        store_all_peak_bytes=store_all_timeline(graph, profiled_workspace).peak_bytes,
         store_all_time_s=profile.step_time_s,
         fixed_bytes=fixed_bytes(graph).total,
+    )
+
+
+def _algorithm_ops(graph: Graph, profile) -> dict[str, tuple[int, int | None, dict]]:
+    """The convolutions whose algorithm options were measured: site -> (forward op,
+    backward op or None, the profile's options)."""
+    from monet_like.variants import algorithm_sites
+
+    measured = getattr(profile, "algorithms", None) or {}
+    op_index = {op.name: op.index for op in graph.ops}
+    found = {}
+    for site in algorithm_sites(graph):
+        options = measured.get(site["id"])
+        fwd = op_index.get(site["forward"][0])
+        if options is None or fwd is None:
+            continue  # not measured: it runs PyTorch's choice, with the profiled workspace
+        found[site["id"]] = (fwd, op_index.get(site["backward"]), options)
+    return found
+
+
+def _default_s(rows: list[list]) -> float:
+    """Seconds of PyTorch's own choice (algorithm -1) among measured rows."""
+    return next(t for a, t, _ in rows if a == -1)
+
+
+def _pareto(options: list[Option]) -> tuple[Option, ...]:
+    """The options no other beats on both time and workspace (ties: the first kept)."""
+    front: list[Option] = []
+    for o in sorted(options, key=lambda o: (o[1], o[2])):
+        if not front or o[2] < front[-1][2]:
+            front.append(o)
+    return tuple(front)
+
+
+def _backward_options(options: dict) -> tuple[Option, ...]:
+    """Pairs (data, weight): the two parts run one after the other, so a pair takes the
+    sum of their times and the larger of their workspaces."""
+    data = options.get("data") or [[-1, 0.0, 0]]
+    weight = options.get("weight") or [[-1, 0.0, 0]]
+    return _pareto(
+        [((d, w), td + tw, max(wd, ww)) for d, td, wd in data for w, tw, ww in weight]
     )
 
 

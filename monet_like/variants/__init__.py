@@ -33,9 +33,9 @@ from monet_like.variants.sites import decode, rename
 
 MODE_FLAGS = ("inplace", "conv", "multiway", "newnode", "normal")
 # Order of application: output-activated backward first (it frees inputs that an
-# in-place pass may then overwrite), compact intermediates last.
-PASS_ORDER = ("multiway", "inplace", "newnode")
-NOT_BUILT = {"conv": "convolution algorithm choice"}
+# in-place pass may then overwrite), then compact intermediates; the convolution
+# algorithm last (it changes no value, only which kernel computes it).
+PASS_ORDER = ("multiway", "inplace", "newnode", "conv")
 
 
 @dataclass(frozen=True)
@@ -53,20 +53,13 @@ class Variant:
 
 def parse_mode(mode: str) -> tuple[str, ...]:
     """MONeT's mode strings: flags joined by '_' (inplace_conv_multiway_newnode, normal...).
-    Returns the variant flags (without 'normal'); refuses unknown and unbuilt ones."""
+    Returns the variant flags (without 'normal'); refuses unknown ones."""
     flags = tuple(f for f in mode.lower().split("_") if f)
     unknown = [f for f in flags if f not in MODE_FLAGS]
     if not flags or unknown:
         raise UserError(
             f"unknown mode {mode!r}: flags are {', '.join(MODE_FLAGS)} joined by '_' "
             "(e.g. normal, inplace_multiway_newnode)"
-        )
-    missing = [f for f in flags if f in NOT_BUILT]
-    if missing:
-        raise UserError(
-            f"mode {mode!r} needs operator variants that are not built yet: "
-            + "; ".join(f"{f} ({NOT_BUILT[f]})" for f in missing)
-            + ". Built: normal, inplace, multiway, newnode."
         )
     return tuple(f for f in PASS_ORDER if f in flags)
 
@@ -138,21 +131,41 @@ def choosable(graph: Graph) -> list[dict]:
     return [s for s in graph.sites if s["choosable"]]
 
 
-def select(graph: Graph, off: list[str] | tuple[str, ...]) -> Graph:
+def algorithm_sites(graph: Graph) -> list[dict]:
+    """The convolutions whose algorithms the solver picks (see variants.conv)."""
+    return [s for s in graph.sites if s.get("algorithm")]
+
+
+def select(
+    graph: Graph,
+    off: list[str] | tuple[str, ...],
+    algorithms: dict[str, list[int]] | None = None,
+) -> Graph:
     """`graph` with the sites named in `off` turned back to the aten ops they replaced:
     the variant's backward node runs the original op (same name, so schedules built
-    on `graph` still find it) and the forward nodes it added are gone. Only the traced
-    module changes; storages, ops and nodes stay those the solver worked on."""
+    on `graph` still find it) and the forward nodes it added are gone. `algorithms`
+    maps a convolution site to its [forward, backward-data, backward-weight]
+    algorithms. Only the traced module changes; storages, ops and nodes stay those
+    the solver worked on."""
     import dataclasses
 
-    if not off:
+    algorithms = algorithms or {}
+    if not off and not algorithms:
         return graph
     by_id = {s["id"]: s for s in graph.sites}
     unknown = [i for i in off if i not in by_id or not by_id[i]["choosable"]]
+    unknown += [i for i in algorithms if i not in by_id or not by_id[i].get("algorithm")]
     if unknown:
-        raise UserError(f"no variant site {', '.join(unknown)} to turn off in this graph")
+        raise UserError(f"no variant site {', '.join(unknown)} to set in this graph")
     gm = copy_module(graph.fx)
     nodes = {n.name: n for n in gm.graph.nodes}
+    for site_id, (forward, data, weight) in algorithms.items():
+        site = by_id[site_id]
+        node = nodes[site["forward"][0]]
+        node.args = (*node.args[:-1], int(forward))
+        if site["backward"]:
+            node = nodes[site["backward"]]
+            node.args = (*node.args[:-2], int(data), int(weight))
     for site_id in off:
         site = by_id[site_id]
         node = nodes[site["backward"]]
@@ -183,7 +196,7 @@ def copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def _register_all() -> None:
-    from monet_like.variants import inplace, multiway, newnode  # noqa: F401  (registers)
+    from monet_like.variants import conv, inplace, multiway, newnode  # noqa: F401  (registers)
 
 
 REGISTRY: dict[str, Variant] = {}

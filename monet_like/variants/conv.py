@@ -1,0 +1,98 @@
+"""`conv`: the convolution algorithm, chosen per layer and per direction.
+
+Every 2-D convolution (`aten.convolution`, not transposed) and its backward
+(`aten.convolution_backward`) become `monet_like.conv2d_algo` and
+`monet_like.conv2d_backward_algo`, whose last arguments name the algorithm of the
+forward, the backward-data and the backward-weight parts. As rewritten they hold
+-1, PyTorch's own choice, so the graph computes what the captured one does. The
+profiler then measures every algorithm the device offers for each layer (time and
+workspace, `profile.measure_algorithms`), the solver picks one per direction under
+the budget (a slower algorithm with less workspace where memory is tight), and
+`select` writes the picks into the graph that is replayed.
+
+Algorithms: on CPU, -1 (oneDNN, through at::convolution) and 0 (PyTorch's im2col +
+GEMM, for groups 1 without dilation); on CUDA, -1 and the cuDNN algorithms that
+cuDNN reports for the layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from monet_like.graph import Graph
+from monet_like.variants import Variant, register
+from monet_like.variants.sites import args_with_defaults, calls, replace, source
+
+aten = torch.ops.aten
+DEFAULT_ALGO = -1  # PyTorch's own choice
+
+
+def _pair(values) -> list[int]:
+    values = list(values)
+    return values * 2 if len(values) == 1 else values
+
+
+def _conv_algorithm(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
+    ops = torch.ops.monet_like
+    backward_of: dict[tuple[str, str], list[torch.fx.Node]] = {}
+    for bwd in calls(gm, aten.convolution_backward.default):
+        key = (source(bwd.args[1]).name, source(bwd.args[2]).name)
+        backward_of.setdefault(key, []).append(bwd)
+    changed = 0
+    for fwd in calls(gm, aten.convolution.default):
+        x, w, b, stride, padding, dilation, transposed, _out_pad, groups = args_with_defaults(fwd)
+        if transposed or len(x.meta["val"].shape) != 4:
+            continue
+        stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+        geometry = (stride, padding, dilation, groups)
+        matches = [
+            n
+            for n in backward_of.get((source(x).name, source(w).name), [])
+            if (_pair(n.args[4]), _pair(n.args[5]), _pair(n.args[6]), n.args[9]) == geometry
+        ]
+        if len(matches) > 1:
+            continue  # the same layer applied twice to the same input: leave both alone
+        new_fwd = replace(gm, fwd, ops.conv2d_algo.default, (x, w, b, *geometry, DEFAULT_ALGO))
+        new_bwd = None
+        if matches:
+            bwd = matches[0]
+            grad, x_saved, w_saved = bwd.args[:3]
+            mask = list(bwd.args[10])
+            new_bwd = replace(
+                gm,
+                bwd,
+                ops.conv2d_backward_algo.default,
+                (grad, x_saved, w_saved, *geometry, mask, DEFAULT_ALGO, DEFAULT_ALGO),
+            )
+        sites.append(algorithm_site(new_fwd, new_bwd))
+        changed += 1
+    return changed
+
+
+def algorithm_site(fwd: torch.fx.Node, bwd: torch.fx.Node | None) -> dict:
+    """A layer whose algorithms the solver picks: `forward` and `backward` name its two
+    nodes (no backward: nothing is differentiated through it)."""
+    return {
+        "id": fwd.name,
+        "variant": "conv_algorithm",
+        "choosable": False,
+        "algorithm": True,
+        "owner": fwd.name,
+        "forward": [fwd.name],
+        "backward": bwd.name if bwd is not None else "",
+        "original": {},
+    }
+
+
+register(
+    Variant(
+        name="conv_algorithm",
+        flag="conv",
+        replaces="convolution (2-D) and convolution_backward",
+        backward_reads="the same as aten's (input and weight); the algorithm of each direction "
+        "is the solver's choice (time against workspace)",
+        extra_outputs="",
+        in_place=False,
+        rewrite=_conv_algorithm,
+    )
+)
