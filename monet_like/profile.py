@@ -24,6 +24,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -334,7 +335,7 @@ def _algorithm_options(
         }
         entry: dict[str, list[list]] = {"forward": []}
         for a in choices["forward"]:
-            call = lambda a=a: ops.conv2d_algo(x, w, b, *geometry, a)  # noqa: E731
+            call = partial(ops.conv2d_algo, x, w, b, *geometry, a)
             entry["forward"].append([a, *_measure_call(call, device, repeats)])
         if site["backward"]:
             grad = torch.randn_like(ops.conv2d_algo(x, w, b, *geometry, -1))
@@ -342,14 +343,13 @@ def _algorithm_options(
             for k, direction in enumerate(("data", "weight")):
                 if not mask[k]:
                     continue
-                part = [k == 0, k == 1, False]
                 entry[direction] = []
                 for a in choices[direction]:
-                    algos = (a, -1) if k == 0 else (-1, a)
-
-                    def call(part=part, algos=algos):
-                        return ops.conv2d_backward_algo(grad, x, w, *geometry, part, *algos)
-
+                    call = partial(
+                        ops.conv2d_backward_algo,
+                        *(grad, x, w, *geometry, [k == 0, k == 1, False]),
+                        *((a, -1) if k == 0 else (-1, a)),
+                    )
                     entry[direction].append([a, *_measure_call(call, device, repeats)])
         out[site["id"]] = entry
     return out
@@ -556,7 +556,8 @@ def profile(
     if algorithms:
         # One measurement per convolution op: PyTorch's own algorithm as measured alone,
         # so that the store-all prediction and the solver's options agree.
-        result.op_workspace = [(i, w) for i, w in sorted(result.workspace_by_op(graph).items()) if w]
+        measured = sorted(result.workspace_by_op(graph).items())
+        result.op_workspace = [(i, w) for i, w in measured if w]
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

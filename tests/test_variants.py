@@ -241,7 +241,7 @@ def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_p
     prof = profile(model, graph, repeats=1, progress=False)
     assert len(prof.algorithms) == 20
     for options in prof.algorithms.values():
-        for direction, rows in options.items():
+        for rows in options.values():
             assert [a for a, _, _ in rows] == [-1, 0] and all(t > 0 for _, t, _ in rows)
     problem = build_problem(graph, prof)
     assert len(problem.algorithms) == 20

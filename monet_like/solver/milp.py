@@ -253,7 +253,8 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         for k, a in enumerate(problem.algorithms):  # a convolution's backward in this stage
             if a.stage == t and a.backward:
                 ws = [(j, o[2] / MIB) for j, o in zip(bwd_cols[k], a.backward, strict=True)]
-                row(terms + ws, [(z0 + t, 1.0)], 0.0, budget_const_mib=const + a.backward_live / MIB)
+                at_op = const + a.backward_live / MIB
+                row(terms + ws, [(z0 + t, 1.0)], 0.0, budget_const_mib=at_op)
         for u in stage.need:
             row([(j, -a) for j, a in present(t, u)], [], -1.0)  # P >= 1
         for u in c:

@@ -358,9 +358,7 @@ def _backward_options(options: dict) -> tuple[Option, ...]:
     sum of their times and the larger of their workspaces."""
     data = options.get("data") or [[-1, 0.0, 0]]
     weight = options.get("weight") or [[-1, 0.0, 0]]
-    return _pareto(
-        [((d, w), td + tw, max(wd, ww)) for d, td, wd in data for w, tw, ww in weight]
-    )
+    return _pareto([((d, w), td + tw, max(wd, ww)) for d, td, wd in data for w, tw, ww in weight])
 
 
 def _choices(graph: Graph, profile, reference, stages, unit_of_storage):
