@@ -1,8 +1,8 @@
 """MONeT's modes compared: smallest feasible budget and predicted overhead per mode.
 
 For each model at MONeT's batch size and each mode (normal, inplace, multiway,
-newnode, and all three together; `conv` is not built), the graph is rewritten with
-the mode's variants, profiled on this machine (each mode's own ops timed), and
+newnode, conv, and all four together), the graph is rewritten with the mode's
+variants, profiled on this machine (each mode's own ops timed), and
 solved with HiGHS: the smallest feasible budget (the min-memory problem), then the
 predicted overhead at each budget over the store-all step of the graph the schedule
 runs on (the solver may turn variant sites off, or keep the captured graph: marked
@@ -10,7 +10,8 @@ runs on (the solver may turn variant sites off, or keep the captured graph: mark
 CSV and a PNG.
 
     python scripts/bench_modes.py [--models resnet50,mobilenet_v2] [--budgets 10,8,6,5]
-        [--modes normal,inplace,multiway,newnode,inplace_multiway_newnode] [--out out/]
+        [--modes normal,inplace_normal,multiway,newnode,conv_normal,inplace_conv_multiway_newnode]
+        [--out out/]
 """
 
 import argparse
@@ -37,7 +38,7 @@ MODELS = {
     "vgg16": ("torchvision.models.vgg16()", (3, 224, 224), 176, 4),
     "unet": ("unet", (3, 416, 608), 11, 1),
 }
-MODES = "normal,inplace,multiway,newnode,inplace_multiway_newnode"
+MODES = "normal,inplace_normal,multiway,newnode,conv_normal,inplace_conv_multiway_newnode"
 
 
 def main() -> None:

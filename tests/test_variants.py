@@ -88,6 +88,10 @@ def test_mobilenet_batch_norm_from_output_and_in_place():
     assert alone["aten.add_.Tensor"] - targets(graph)["aten.add_.Tensor"] == 10
     assert alone["aten.add.Tensor"] == targets(graph)["aten.add.Tensor"] - 10
     assert alone["monet_like.batch_norm_inplace_"] == 0
+    # A convolution reading a BatchNorm output written over the previous convolution's:
+    # every one of the 52 still gets its algorithm choice.
+    full = targets(apply(graph, FULL))
+    assert full["monet_like.conv2d_algo"] == targets(graph)["aten.convolution"] == 52
 
 
 # (expression, input shape, batch): the whole-model check the issue asks for.

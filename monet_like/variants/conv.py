@@ -52,7 +52,11 @@ def _conv_algorithm(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -
         ]
         if len(matches) > 1:
             continue  # the same layer applied twice to the same input: leave both alone
+        value = fwd.meta["val"]
         new_fwd = replace(gm, fwd, ops.conv2d_algo.default, (x, w, b, *geometry, DEFAULT_ALGO))
+        # The same tensor as before: a later convolution reading it (through a BatchNorm
+        # run in place, MobileNetV2) still finds its shape before the graph is refreshed.
+        new_fwd.meta["val"] = value
         new_bwd = None
         if matches:
             bwd = matches[0]
