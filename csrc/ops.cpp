@@ -581,7 +581,8 @@ at::Tensor hardtanh_backward_from_output(const at::Tensor& grad_output, const at
 // as workspace, for a 1x1 stride-1 unpadded convolution none at all, where oneDNN reorders
 // its input and output into a blocked layout. Which is cheaper depends on the layer; the
 // profiler measures both and the solver chooses. The backward runs its data and weight
-// parts as two calls, each with its own algorithm, so each has its own workspace.
+// parts as two calls, each with its own algorithm and workspace, except when both are
+// PyTorch's own choice: then it is one call, as in eager autograd.
 
 constexpr int64_t kAtenAlgo = -1;
 constexpr int64_t kIm2colAlgo = 0;
@@ -629,8 +630,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_algo(
                                      padding, mask);
   };
   at::Tensor grad_input, grad_weight, grad_bias;
-  if (output_mask[0]) grad_input = std::get<0>(part(algo_data, {true, false, false}));
-  if (output_mask[1]) grad_weight = std::get<1>(part(algo_weight, {false, true, false}));
+  if (output_mask[0] && output_mask[1] && algo_data == kAtenAlgo && algo_weight == kAtenAlgo) {
+    // PyTorch's own choice for both parts: one call, as autograd makes it.
+    std::tie(grad_input, grad_weight, std::ignore) = part(kAtenAlgo, {true, true, false});
+  } else {
+    if (output_mask[0]) grad_input = std::get<0>(part(algo_data, {true, false, false}));
+    if (output_mask[1]) grad_weight = std::get<1>(part(algo_weight, {false, true, false}));
+  }
   if (output_mask[2]) grad_bias = grad_output.sum({0, 2, 3});
   return {grad_input, grad_weight, grad_bias};
 }

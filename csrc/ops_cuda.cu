@@ -1093,6 +1093,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_algo_cuda(
                                     dilation, false, {0, 0}, groups, mask);
   };
   at::Tensor grad_input, grad_weight, grad_bias;
+  if (output_mask[0] && output_mask[1] && algo_data == kAtenAlgo && algo_weight == kAtenAlgo) {
+    std::tie(grad_input, grad_weight, std::ignore) = aten_part({true, true, false});
+    output_mask[0] = output_mask[1] = false;  // done: one call, as in eager autograd
+  }
   if (output_mask[0]) {
 #ifdef MONET_LIKE_WITH_CUDNN
     grad_input = algo_data == kAtenAlgo

@@ -296,7 +296,7 @@ def cmd_solve(args) -> dict:
     if baseline is not None and not sol.variants:  # the captured graph's schedule won
         graph, prof = baseline
         print("  the captured graph's own schedule is faster: no variant is used", flush=True)
-    finalize(graph, sol, prof.workspace_by_op(graph, sol.algorithms))
+    finalize(graph, sol, prof)
     out = args.output or os.path.join(
         args.output_dir, default_solution_name(spec.name, args.batch, args.mode, args.budget_gb)
     )

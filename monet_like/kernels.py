@@ -14,6 +14,9 @@ see the right shapes, dtypes and strides without running anything.
     batch_norm_backward_from_output(...)    native_batch_norm_backward from y, not x
     hardtanh_backward_from_output(dy, y, lo, hi)
     batch_norm_inplace_(x, ...)             training BatchNorm written over x
+    conv2d_algo(x, w, b, s, p, d, g, algo)  convolution by a named algorithm (-1: PyTorch's)
+    conv2d_backward_algo(dy, x, w, ..., mask, algo_data, algo_weight)
+    conv2d_algorithms(x, w, s, p, d, g)     [n, ids...] per direction (forward, data, weight)
 """
 
 from __future__ import annotations

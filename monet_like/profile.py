@@ -71,7 +71,8 @@ class Profile:
     op_backward_s: float = 0.0
     profile_seconds: float = 0.0
     # conv mode: per convolution site, per direction ("forward", "data", "weight"), the
-    # algorithms the device offers as [algorithm, seconds, workspace bytes]
+    # algorithms the device offers as [algorithm, seconds, workspace bytes]; "both": the
+    # backward with PyTorch's choice for both parts, which runs as one call
     algorithms: dict[str, dict[str, list[list]]] = field(default_factory=dict)
     cached: bool = field(default=False, compare=False)
 
@@ -106,6 +107,8 @@ class Profile:
                     for d, a in (("data", data), ("weight", weight))
                     if d in options
                 ]
+                if "both" in options and (data, weight) == (-1, -1):
+                    parts = [bytes_of(options["both"], -1)]
                 workspace[op_index[site["backward"]]] = max(parts, default=0)
         return workspace
 
@@ -351,6 +354,11 @@ def _algorithm_options(
                         *((a, -1) if k == 0 else (-1, a)),
                     )
                     entry[direction].append([a, *_measure_call(call, device, repeats)])
+            if mask[0] and mask[1]:  # PyTorch's choice for both: one call
+                call = partial(
+                    ops.conv2d_backward_algo, grad, x, w, *geometry, [True, True, False], -1, -1
+                )
+                entry["both"] = [[-1, *_measure_call(call, device, repeats)]]
         out[site["id"]] = entry
     return out
 

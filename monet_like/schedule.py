@@ -16,13 +16,16 @@ and a unit holding a random op (dropout) is never recomputed: the solver keeps i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from monet_like.graph import BACKWARD, FORWARD, Graph, tangents_for
 from monet_like.solution import Solution
 from monet_like.variants import select
+
+if TYPE_CHECKING:
+    from monet_like.profile import Profile
 
 ORIGINAL = -1  # version of a value computed in the forward pass
 # Ops that write their buffer arguments without saying so in their schema.
@@ -315,9 +318,12 @@ def simulate(graph: Graph, schedule: Schedule, workspace: dict[int, int] | None 
     return max(peak, tracker.peak)
 
 
-def finalize(graph: Graph, solution: Solution, workspace: dict[int, int] | None = None) -> int:
-    """Set the solution's predicted peak to its simulated schedule's; keep the MILP's
-    bound beside it. Returns the simulated peak."""
+def finalize(graph: Graph, solution: Solution, profile: Profile | None = None) -> int:
+    """Set the solution's predicted peak to its simulated schedule's, with each op's
+    workspace from `profile` (a monet_like.profile.Profile of `graph`; the chosen
+    convolution algorithms' own); keep the MILP's bound beside it. Returns the
+    simulated peak."""
+    workspace = None if profile is None else profile.workspace_by_op(graph, solution.algorithms)
     simulated = simulate(graph, build(graph, solution), workspace)
     solution.extra["milp_peak_bound_bytes"] = solution.predicted_peak_bytes
     solution.predicted_peak_bytes = simulated

@@ -7,7 +7,7 @@ events, so workspace counts) and its time against eager PyTorch (interleaved,
 median). Writes a CSV and a PNG of memory against overhead.
 
     python scripts/bench_schedule.py [--models resnet50,...] [--points 5] [--iterations 5]
-        [--modes normal,newnode,inplace_multiway_newnode]
+        [--modes normal,inplace_normal,multiway,newnode,conv_normal,inplace_conv_multiway_newnode]
 
 With several modes, each is solved with its variants (the solver may turn sites off
 or keep the captured graph) at the same budgets: from the normal store-all peak down
@@ -99,7 +99,7 @@ def main() -> None:
             baseline = (captured, reference) if graph.variants else None
             sol = solve(graph, prof, budget, mode=mode, time_limit=300, baseline=baseline)
             ran, ran_prof = (graph, prof) if sol.variants or not baseline else baseline
-            finalize(ran, sol, ran_prof.workspace_by_op())
+            finalize(ran, sol, ran_prof)
             path = sol.save(os.path.join(args.out, f"bench_schedule_{name}_{mode}_{k}.json"))
             wrapped = ScheduleWrapper(model, path, shape)
             model.zero_grad(set_to_none=True)

@@ -45,7 +45,7 @@ def test_ddp_two_processes_match_one_process_on_the_whole_batch(tmp_path):
     low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
     sol = solve(graph, prof, low, solver="HIGHS")  # the tightest schedule: recomputes
     assert any(s["recompute"] for s in sol.stages)
-    finalize(graph, sol, prof.workspace_by_op())
+    finalize(graph, sol, prof)
     path = str(sol.save(tmp_path / "sol.json"))
 
     tokens = torch.randint(0, 64, (2 * PER_RANK, SEQ), generator=torch.Generator().manual_seed(3))

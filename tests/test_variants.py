@@ -118,7 +118,7 @@ def test_full_mode_replay_matches_eager(expression, shape, batch, tmp_path):
     low = min_feasible_budget(problem, 16, False, "HIGHS")
     for budget in sorted({problem.store_all_peak_bytes, low}, reverse=True):
         sol = solve(graph, prof, budget, mode=FULL, solver="HIGHS", time_limit=120)
-        finalize(graph, sol, prof.workspace_by_op(graph, sol.algorithms))
+        finalize(graph, sol, prof)
         assert sol.predicted_peak_bytes <= budget
         path = sol.save(tmp_path / f"{budget}.json")
 
@@ -215,7 +215,7 @@ def test_sites_turned_off_replay_the_aten_ops_they_replaced(resnet_newnode, tmp_
         sol = solve(graph, prof, low + 2**20, mode="newnode")
     sol.variants_off = [s["id"] for s in choosable(graph)]
     # All ReLU masks off: the schedule must still fit, now holding the ReLU outputs.
-    finalize(graph, sol, prof.workspace_by_op())
+    finalize(graph, sol, prof)
     path = sol.save(tmp_path / "off.json")
     eager, replayed = copy.deepcopy(model), copy.deepcopy(model)
     wrapped = ScheduleWrapper(replayed, path, shape)
@@ -245,14 +245,16 @@ def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_p
     prof = profile(model, graph, repeats=1, progress=False)
     assert len(prof.algorithms) == 20
     for options in prof.algorithms.values():
-        for rows in options.values():
-            assert [a for a, _, _ in rows] == [-1, 0] and all(t > 0 for _, t, _ in rows)
+        for direction, rows in options.items():
+            # "both": PyTorch's choice for the whole backward, one call
+            algorithms = [-1] if direction == "both" else [-1, 0]
+            assert [a for a, _, _ in rows] == algorithms and all(t > 0 for _, t, _ in rows)
     problem = build_problem(graph, prof)
     assert len(problem.algorithms) == 20
     low = min_feasible_budget(problem, 16, False, "HIGHS")
     budget = (low + problem.store_all_peak_bytes) // 2
     sol = solve(graph, prof, budget, mode="conv", solver="HIGHS")
-    finalize(graph, sol, prof.workspace_by_op(graph, sol.algorithms))
+    finalize(graph, sol, prof)
     assert sol.algorithms and sol.predicted_peak_bytes <= budget
     path = sol.save(tmp_path / "conv.json")
 

@@ -45,7 +45,7 @@ def solved(expression, shape, batch, fractions, tmp_path, depth=DEFAULT_DEPTH, i
         budget = int(low + fraction * (problem.store_all_peak_bytes - low))
         sol = solve(graph, prof, budget, solver="HIGHS", time_limit=120, depth=depth)
         bound = sol.predicted_peak_bytes
-        finalize(graph, sol, prof.workspace_by_op())
+        finalize(graph, sol, prof)
         assert sol.predicted_peak_bytes <= bound <= budget
         path = sol.save(tmp_path / f"{fraction}.json")
         yield budget, path, model, sol

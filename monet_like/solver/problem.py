@@ -302,9 +302,7 @@ def build_problem(
             stage=stage_of.get(bwd_op) if bwd_op is not None else None,
             backward_live=other_no_ws[bwd_op] if bwd_op is not None else 0,
             backward=_backward_options(options) if bwd_op is not None else (),
-            backward_default_s=sum(
-                _default_s(options[d]) for d in ("data", "weight") if d in options
-            ),
+            backward_default_s=_backward_default_s(options),
         )
         for site, (fwd_op, bwd_op, options) in algorithm_ops.items()
         if graph.ops[fwd_op].node in unit_of_node
@@ -355,10 +353,21 @@ def _pareto(options: list[Option]) -> tuple[Option, ...]:
 
 def _backward_options(options: dict) -> tuple[Option, ...]:
     """Pairs (data, weight): the two parts run one after the other, so a pair takes the
-    sum of their times and the larger of their workspaces."""
+    sum of their times and the larger of their workspaces; except PyTorch's own choice
+    for both, one call, measured as such ("both")."""
     data = options.get("data") or [[-1, 0.0, 0]]
     weight = options.get("weight") or [[-1, 0.0, 0]]
-    return _pareto([((d, w), td + tw, max(wd, ww)) for d, td, wd in data for w, tw, ww in weight])
+    pairs = {(d, w): (td + tw, max(wd, ww)) for d, td, wd in data for w, tw, ww in weight}
+    for _, t, ws in options.get("both", []):
+        pairs[-1, -1] = (t, ws)
+    return _pareto([(algos, t, ws) for algos, (t, ws) in pairs.items()])
+
+
+def _backward_default_s(options: dict) -> float:
+    """Seconds of the backward with PyTorch's own choice for every part."""
+    if "both" in options:
+        return _default_s(options["both"])
+    return sum(_default_s(options[d]) for d in ("data", "weight") if d in options)
 
 
 def _choices(graph: Graph, profile, reference, stages, unit_of_storage):
