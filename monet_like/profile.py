@@ -34,7 +34,7 @@ from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocations_under, record_allocations
 
-PROFILE_FORMAT = 4  # 4: algorithms
+PROFILE_FORMAT = 5  # 4: algorithms; 5: "both" (one backward call with PyTorch's choice)
 
 
 @dataclass(frozen=True)

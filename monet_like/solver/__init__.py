@@ -23,6 +23,7 @@ from monet_like.solver.milp import (
     evaluate,
     formulate,
     is_feasible,
+    lean_choices,
     solve_formulation,
 )
 from monet_like.solver.problem import Problem, build_problem
@@ -81,10 +82,25 @@ def min_feasible_budget(
     f = formulate(problem, depth, allow_recompute=not ablation)
     chosen = "HIGHS" if "HIGHS" in cp.installed_solvers() else solver
     chosen = "CBC" if chosen == "PULP" else chosen
-    raw = solve_formulation(f, None, chosen, time_limit=time_limit, gap=1e-3)
-    if raw.x_bool is None:
+    start = None
+    started = time.perf_counter()
+    if chosen == "HIGHS" and (problem.choices or problem.algorithms):
+        # The variant and algorithm choices make this problem hard for HiGHS. Their leaner
+        # options give nearly the smallest budget: solve with them fixed first (about as
+        # hard as normal mode), then let the choices free, from that schedule.
+        first = solve_formulation(
+            f, None, chosen, time_limit=time_limit and time_limit / 2, gap=1e-3,
+            pins=lean_choices(f),
+        )  # fmt: skip
+        start = first.x_bool
+    remaining = (
+        None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - started))
+    )
+    raw = solve_formulation(f, None, chosen, time_limit=remaining, gap=1e-3, start=start)
+    found = [x for x in (raw.x_bool, start) if x is not None]
+    if not found:
         raise UserError("could not solve the min-memory problem")
-    return evaluate(f, raw.x_bool)["peak_bytes"]
+    return min(evaluate(f, x)["peak_bytes"] for x in found)
 
 
 def solve(

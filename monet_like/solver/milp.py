@@ -383,6 +383,7 @@ def solve_formulation(
     verbose: bool = False,
     start: np.ndarray | None = None,
     progress: Callable[[str], None] | None = None,
+    pins: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> RawResult:
     """Solve for the least recomputation within `budget_bytes`; with `budget_bytes=None`,
     for the smallest budget (then the least recomputation among equals).
@@ -390,6 +391,7 @@ def solve_formulation(
     `start`: binary columns of a schedule within the budget, handed to the solvers
     that take one (HiGHS, PuLP's CBC); with a start the first feasible time is 0.
     `progress` receives one line per improved schedule where the solver reports them.
+    `pins` = (columns, values) fixes some binary columns (HiGHS only).
     """
     rhs = _rhs_for(f, budget_bytes)
     started = time.perf_counter()
@@ -398,7 +400,8 @@ def solve_formulation(
             raise ValueError("the min-memory problem is solved through HiGHS or cvxpy")
         res = _solve_pulp(f, rhs, time_limit, gap, verbose, start)
     elif solver == "HIGHS":
-        res = _solve_highs(f, rhs, time_limit, gap, verbose, budget_bytes is None, start, progress)
+        minimize_budget = budget_bytes is None
+        res = _solve_highs(f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, pins)
     else:
         res = _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, budget_bytes is None)
     res.solve_time_s = time.perf_counter() - started
@@ -426,8 +429,9 @@ def _finish(f, x_val, status, bound, gap_value, gap, solver, minimize_budget) ->
     return RawResult(final, x_val, objective, bound, gap_value, 0.0, solver)
 
 
-def _highs_model(f: Formulation, rhs: np.ndarray, minimize_budget: bool, fixed=None):
-    """A highspy model of the formulation; `fixed` pins the binary columns (an LP)."""
+def _highs_model(f: Formulation, rhs: np.ndarray, minimize_budget: bool, fixed=None, pins=None):
+    """A highspy model of the formulation; `fixed` pins the binary columns (an LP),
+    `pins` = (columns, values) some of them."""
     import highspy
 
     h = highspy.Highs()
@@ -444,6 +448,8 @@ def _highs_model(f: Formulation, rhs: np.ndarray, minimize_budget: bool, fixed=N
     inf = highspy.kHighsInf
     low_b = np.zeros(n_b) if fixed is None else np.asarray(fixed, dtype=float)
     high_b = np.ones(n_b) if fixed is None else np.asarray(fixed, dtype=float)
+    if pins is not None:
+        low_b[pins[0]] = high_b[pins[0]] = pins[1]
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = n_cols, f.n_rows
     lp.col_cost_ = cost
@@ -459,6 +465,20 @@ def _highs_model(f: Formulation, rhs: np.ndarray, minimize_budget: bool, fixed=N
     return h
 
 
+def lean_choices(f: Formulation) -> tuple[np.ndarray, np.ndarray]:
+    """(columns, values) that fix every choice to its leaner option: each variant site
+    on, each convolution's least-workspace algorithms."""
+    cols = [f.on_col, f.off_col]
+    values = [np.ones(len(f.on_col)), np.zeros(len(f.off_col))]
+    for k, a in enumerate(f.problem.algorithms):
+        for options, columns in ((a.forward, f.fwd_cols[k]), (a.backward, f.bwd_cols[k])):
+            if len(options):
+                lean = min(range(len(options)), key=lambda i: options[i][2])
+                cols.append(columns)
+                values.append((np.arange(len(options)) == lean).astype(float))
+    return np.concatenate(cols).astype(int), np.concatenate(values)
+
+
 def is_feasible(f: Formulation, x_bool: np.ndarray, budget_bytes: int) -> bool:
     """Whether the binary columns `x_bool` satisfy every row within `budget_bytes` (the
     continuous columns completed by an LP)."""
@@ -469,11 +489,11 @@ def is_feasible(f: Formulation, x_bool: np.ndarray, budget_bytes: int) -> bool:
     return h.getModelStatus() == highspy.HighsModelStatus.kOptimal
 
 
-def _solve_highs(f, rhs, time_limit, gap, verbose, minimize_budget, start, progress):
+def _solve_highs(f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, pins=None):
     """HiGHS through highspy: cvxpy's interface takes no start and reports no progress."""
     import highspy
 
-    h = _highs_model(f, rhs, minimize_budget)
+    h = _highs_model(f, rhs, minimize_budget, pins=pins)
     h.setOptionValue("output_flag", bool(verbose))
     h.setOptionValue("mip_rel_gap", float(gap))
     if time_limit:
