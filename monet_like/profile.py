@@ -306,10 +306,12 @@ def _measure_call(call, device: torch.device, repeats: int) -> tuple[float, int]
 
 
 def _algorithm_options(
-    graph: Graph, device: torch.device, batch: int, repeats: int
+    graph: Graph, device: torch.device, batch: int, repeats: int, progress: bool | None = None
 ) -> dict[str, dict[str, list[list]]]:
     """Every algorithm of every convolution site (variants.conv), run alone on random
     tensors of the site's shapes at `batch`: [algorithm, seconds, workspace bytes]."""
+    from tqdm import tqdm
+
     from monet_like.variants import algorithm_sites
 
     ops = torch.ops.monet_like
@@ -324,7 +326,10 @@ def _algorithm_options(
         return torch.randn(shape, generator=gen, dtype=v.dtype).to(device)
 
     out: dict[str, dict[str, list[list]]] = {}
-    for site in algorithm_sites(graph):
+    sites = algorithm_sites(graph)
+    desc = f"measuring convolution algorithms at batch {batch}"
+    hide = (not progress) if progress is not None else None  # None: tqdm asks the terminal
+    for site in tqdm(sites, desc=desc, unit="conv", disable=hide):
         fwd = nodes[site["forward"][0]]
         x_node, w_node, b_node, stride, padding, dilation, groups, _ = fwd.args
         x, w, b = real(x_node, batch), real(w_node), real(b_node)
@@ -514,12 +519,12 @@ def profile(
     algorithms: dict = {}
     if graph.fx is not None and algorithm_sites(graph):
         with torch.no_grad():
-            algorithms = _algorithm_options(graph, device, profile_batch, repeats)
+            algorithms = _algorithm_options(graph, device, profile_batch, repeats, progress)
             if scaled:
                 other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
                 other = None
                 if other_batch != profile_batch:
-                    other = _algorithm_options(graph, device, other_batch, repeats)
+                    other = _algorithm_options(graph, device, other_batch, repeats, progress)
                 algorithms = _scale_algorithms(
                     algorithms, profile_batch, other, other_batch, graph.batch
                 )
