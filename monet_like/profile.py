@@ -85,31 +85,8 @@ class Profile:
         the measured workspace of the algorithms in `algorithms` (site -> [forward,
         backward-data, backward-weight]; PyTorch's own, -1, for a site not named)."""
         workspace = dict(self.op_workspace)
-        if graph is None or not self.algorithms:
-            return workspace
-        from monet_like.variants import algorithm_sites
-
-        algorithms = algorithms or {}
-        op_index = {op.name: op.index for op in graph.ops}
-
-        def bytes_of(rows: list[list], algo: int) -> int:
-            return next(ws for a, _, ws in rows if a == algo)
-
-        for site in algorithm_sites(graph):
-            options = self.algorithms.get(site["id"])
-            if options is None:
-                continue
-            forward, data, weight = algorithms.get(site["id"], (-1, -1, -1))
-            workspace[op_index[site["forward"][0]]] = bytes_of(options["forward"], forward)
-            if site["backward"] in op_index:
-                parts = [
-                    bytes_of(options[d], a)
-                    for d, a in (("data", data), ("weight", weight))
-                    if d in options
-                ]
-                if "both" in options and (data, weight) == (-1, -1):
-                    parts = [bytes_of(options["both"], -1)]
-                workspace[op_index[site["backward"]]] = max(parts, default=0)
+        if graph is not None:
+            workspace.update(algorithm_workspace(graph, self.algorithms, algorithms or {}))
         return workspace
 
     @property
@@ -274,6 +251,42 @@ def _extrapolate_float(w1: list[float], b1: int, w2: list[float], b2: int, batch
 
 def _extrapolate(w1: list[int], b1: int, w2: list[int], b2: int, batch: int) -> list[int]:
     return [int(w) for w in _extrapolate_float(w1, b1, w2, b2, batch)]
+
+
+def option(rows: list[list], algo: int) -> tuple[float, int]:
+    """(seconds, workspace bytes) of algorithm `algo` among one direction's measured rows."""
+    return next((t, ws) for a, t, ws in rows if a == algo)
+
+
+def backward_option(options: dict[str, list[list]], data: int, weight: int) -> tuple[float, int]:
+    """(seconds, workspace bytes) of a convolution's backward with these algorithms: its
+    parts run one after the other (times add, the larger workspace counts), except
+    PyTorch's own choice for both, one call, measured as such ("both")."""
+    if (data, weight) == (-1, -1) and "both" in options:
+        return option(options["both"], -1)
+    parts = [option(options[d], a) for d, a in (("data", data), ("weight", weight)) if d in options]
+    return sum(t for t, _ in parts), max((ws for _, ws in parts), default=0)
+
+
+def algorithm_workspace(
+    graph: Graph, measured: dict[str, dict[str, list[list]]], chosen: dict[str, list[int]]
+) -> dict[int, int]:
+    """Op index -> workspace bytes of every measured convolution op of `graph`, with the
+    algorithms `chosen` for it (site -> [forward, backward-data, backward-weight]; -1,
+    PyTorch's own, for a site not named)."""
+    from monet_like.variants import algorithm_sites
+
+    op_index = {op.name: op.index for op in graph.ops}
+    workspace = {}
+    for site in algorithm_sites(graph):
+        options = measured.get(site["id"])
+        if options is None:
+            continue
+        forward, data, weight = chosen.get(site["id"], (-1, -1, -1))
+        workspace[op_index[site["forward"][0]]] = option(options["forward"], forward)[1]
+        if site["backward"] in op_index:
+            workspace[op_index[site["backward"]]] = backward_option(options, data, weight)[1]
+    return workspace
 
 
 def _measure_call(call, device: torch.device, repeats: int) -> tuple[float, int]:
@@ -528,6 +541,10 @@ def profile(
                 algorithms = _scale_algorithms(
                     algorithms, profile_batch, other, other_batch, graph.batch
                 )
+        # One measurement per convolution op: PyTorch's own algorithm as measured alone,
+        # so that the store-all prediction and the solver's options agree.
+        for i, w in algorithm_workspace(graph, algorithms, {}).items():
+            workspace[i] = w
     ops = graph.ops
     nodes = []
     for n in graph.nodes:
@@ -566,11 +583,6 @@ def profile(
         profile_seconds=time.perf_counter() - started,
         algorithms=algorithms,
     )
-    if algorithms:
-        # One measurement per convolution op: PyTorch's own algorithm as measured alone,
-        # so that the store-all prediction and the solver's options agree.
-        measured = sorted(result.workspace_by_op(graph).items())
-        result.op_workspace = [(i, w) for i, w in measured if w]
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

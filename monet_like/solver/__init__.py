@@ -13,8 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from monet_like.errors import UserError
 from monet_like.solution import Solution
 from monet_like.solver.milp import (
@@ -270,11 +268,9 @@ def _solve(
         )
     off = [c.site for k, c in enumerate(problem.choices) if x[f.off_col[k]]]
     algorithms = {}
-    for k, a in enumerate(problem.algorithms):
-        (forward,), _, _ = a.forward[int(np.argmax(x[f.fwd_cols[k]]))]
-        data = weight = -1
-        if a.backward:
-            (data, weight), _, _ = a.backward[int(np.argmax(x[f.bwd_cols[k]]))]
+    for a, (i, j) in zip(problem.algorithms, f.chosen_options(x), strict=True):
+        (forward,), _, _ = a.forward[i]
+        data, weight = a.backward[j][0] if j is not None else (-1, -1)
         if (forward, data, weight) != (-1, -1, -1):
             algorithms[a.site] = [int(forward), int(data), int(weight)]
     stages = []

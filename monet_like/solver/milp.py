@@ -92,6 +92,15 @@ class Formulation:
     bwd_cols: list[np.ndarray] = field(default_factory=list)
     # (stage, unit) -> per forward option, "recomputed before the stage with it"
     rec_alg: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    algorithm_of: dict[int, int] = field(default_factory=dict)  # unit -> algorithm choice
+
+    def chosen_options(self, x: np.ndarray) -> list[tuple[int, int | None]]:
+        """Per algorithm choice, the forward option and the backward option (None: it
+        has no backward) that the 0/1 columns `x` select, as indices."""
+        return [
+            (int(np.argmax(x[fwd])), int(np.argmax(x[bwd])) if len(bwd) else None)
+            for fwd, bwd in zip(self.fwd_cols, self.bwd_cols, strict=True)
+        ]
 
     @property
     def n_rows(self) -> int:
@@ -342,6 +351,7 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         fwd_cols=fwd_cols,
         bwd_cols=bwd_cols,
         rec_alg=rec_alg,
+        algorithm_of=algorithm_of,
     )
     f.stats = {
         "variables": n_bool + n_cont,
@@ -681,10 +691,10 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
     ).astype(np.int64)
     forward = p.constant_bytes + np.array(p.forward_extra, dtype=np.int64) + alive + consumed_kept
     x = np.asarray(x_bool)
-    for k, a in enumerate(p.algorithms):  # a convolution with the workspace of its option
-        ws = sum(o[2] * int(x[j]) for j, o in zip(f.fwd_cols[k], a.forward, strict=True))
+    chosen = f.chosen_options(x)
+    for a, (i, _) in zip(p.algorithms, chosen, strict=True):  # with its option's workspace
         u = a.unit
-        at_conv = p.constant_bytes + a.forward_live + ws + alive[u] + consumed_kept[u]
+        at_conv = p.constant_bytes + a.forward_live + a.forward[i][2] + alive[u] + consumed_kept[u]
         forward[u] = max(forward[u], at_conv)
     k = int(np.argmax(forward))
     peak, where = int(forward[k]), f"forward unit {k}"
@@ -696,17 +706,15 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
         last_use[in_backward], weights=(m * keep)[in_backward], minlength=len(p.stages)
     )
     z = np.cumsum(kept_until[::-1])[::-1]
-    algorithm_of = {a.unit: k for k, a in enumerate(p.algorithms)}
     rec_ws: dict[int, int] = {}  # stage -> largest workspace of a convolution recomputed
-    for (t, u), cols in f.rec_alg.items():
-        for j, o in zip(cols, p.algorithms[algorithm_of[u]].forward, strict=True):
-            if x[j]:
-                rec_ws[t] = max(rec_ws.get(t, 0), o[2])
+    for t, u in f.rec_alg:
+        if x[f.r_index[t, u]]:
+            k = f.algorithm_of[u]
+            rec_ws[t] = max(rec_ws.get(t, 0), p.algorithms[k].forward[chosen[k][0]][2])
     bwd_at: dict[int, int] = {}  # stage -> largest bytes at a convolution's backward
-    for k, a in enumerate(p.algorithms):
-        if a.stage is not None and a.backward:
-            ws = sum(o[2] * int(x[j]) for j, o in zip(f.bwd_cols[k], a.backward, strict=True))
-            bwd_at[a.stage] = max(bwd_at.get(a.stage, 0), a.backward_live + ws)
+    for a, (_, i) in zip(p.algorithms, chosen, strict=True):
+        if a.stage is not None and i is not None:
+            bwd_at[a.stage] = max(bwd_at.get(a.stage, 0), a.backward_live + a.backward[i][2])
     for t, (stage, cols) in enumerate(zip(p.stages, _stage_columns(f), strict=True)):
         recomputed = np.where(cols.r_cols >= 0, x[np.maximum(cols.r_cols, 0)], 0)
         present = x[cols.s_cols] + recomputed

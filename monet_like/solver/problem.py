@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from monet_like.graph import ACTIVATION, BACKWARD, FORWARD, GRADIENT, Graph
 from monet_like.memory import last_uses
+from monet_like.profile import backward_option, option
 
 # An output at least this many times smaller than its node's largest is a side output:
 # BatchNorm's statistics, the compact max-pool's byte indices (not int64 indices, twice
@@ -298,11 +299,11 @@ def build_problem(
             unit=unit_of_node[graph.ops[fwd_op].node],
             forward_live=other_no_ws[fwd_op],
             forward=_pareto([((a,), t, ws) for a, t, ws in options["forward"]]),
-            forward_default_s=_default_s(options["forward"]),
+            forward_default_s=option(options["forward"], -1)[0],
             stage=stage_of.get(bwd_op) if bwd_op is not None else None,
             backward_live=other_no_ws[bwd_op] if bwd_op is not None else 0,
             backward=_backward_options(options) if bwd_op is not None else (),
-            backward_default_s=_backward_default_s(options),
+            backward_default_s=backward_option(options, -1, -1)[0],
         )
         for site, (fwd_op, bwd_op, options) in algorithm_ops.items()
         if graph.ops[fwd_op].node in unit_of_node
@@ -337,11 +338,6 @@ def _algorithm_ops(graph: Graph, profile) -> dict[str, tuple[int, int | None, di
     return found
 
 
-def _default_s(rows: list[list]) -> float:
-    """Seconds of PyTorch's own choice (algorithm -1) among measured rows."""
-    return next(t for a, t, _ in rows if a == -1)
-
-
 def _pareto(options: list[Option]) -> tuple[Option, ...]:
     """The options no other beats on both time and workspace (ties: the first kept)."""
     front: list[Option] = []
@@ -352,22 +348,10 @@ def _pareto(options: list[Option]) -> tuple[Option, ...]:
 
 
 def _backward_options(options: dict) -> tuple[Option, ...]:
-    """Pairs (data, weight): the two parts run one after the other, so a pair takes the
-    sum of their times and the larger of their workspaces; except PyTorch's own choice
-    for both, one call, measured as such ("both")."""
-    data = options.get("data") or [[-1, 0.0, 0]]
-    weight = options.get("weight") or [[-1, 0.0, 0]]
-    pairs = {(d, w): (td + tw, max(wd, ww)) for d, td, wd in data for w, tw, ww in weight}
-    for _, t, ws in options.get("both", []):
-        pairs[-1, -1] = (t, ws)
-    return _pareto([(algos, t, ws) for algos, (t, ws) in pairs.items()])
-
-
-def _backward_default_s(options: dict) -> float:
-    """Seconds of the backward with PyTorch's own choice for every part."""
-    if "both" in options:
-        return _default_s(options["both"])
-    return sum(_default_s(options[d]) for d in ("data", "weight") if d in options)
+    """Every (backward-data, backward-weight) pair of measured algorithms."""
+    data = [row[0] for row in options.get("data", [[-1]])]
+    weight = [row[0] for row in options.get("weight", [[-1]])]
+    return _pareto([((d, w), *backward_option(options, d, w)) for d in data for w in weight])
 
 
 def _choices(graph: Graph, profile, reference, stages, unit_of_storage):

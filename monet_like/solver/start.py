@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from monet_like.solver.milp import Formulation, evaluate
+from monet_like.solver.milp import Formulation, evaluate, lean_choices
 
 
 class _MustKeep(Exception):
@@ -64,18 +64,12 @@ def assignment(f: Formulation, kept: np.ndarray) -> np.ndarray:
 
 def _lean_algorithms(f: Formulation, x: np.ndarray) -> None:
     """Every convolution runs its least-workspace options, recomputations included."""
-    algorithms = f.problem.algorithms
-    lean = []
-    for k, a in enumerate(algorithms):
-        i = min(range(len(a.forward)), key=lambda i: a.forward[i][2])
-        x[f.fwd_cols[k][i]] = 1
-        lean.append(i)
-        if a.backward:
-            x[f.bwd_cols[k][min(range(len(a.backward)), key=lambda i: a.backward[i][2])]] = 1
-    algorithm_of = {a.unit: k for k, a in enumerate(algorithms)}
-    for (t, u), cols in f.rec_alg.items():
+    cols, values = lean_choices(f)
+    x[cols] = values
+    chosen = f.chosen_options(x)
+    for (t, u), options in f.rec_alg.items():
         if x[f.r_index[t, u]]:
-            x[cols[lean[algorithm_of[u]]]] = 1
+            x[options[chosen[f.algorithm_of[u]][0]]] = 1
 
 
 def _fit(f: Formulation, kept: np.ndarray) -> np.ndarray:

@@ -21,15 +21,10 @@ import torch
 
 from monet_like.graph import Graph
 from monet_like.variants import Variant, register
-from monet_like.variants.sites import args_with_defaults, calls, replace, source
+from monet_like.variants.sites import args_with_defaults, calls, pair, replace, source
 
 aten = torch.ops.aten
 DEFAULT_ALGO = -1  # PyTorch's own choice
-
-
-def _pair(values) -> list[int]:
-    values = list(values)
-    return values * 2 if len(values) == 1 else values
 
 
 def _conv_algorithm(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
@@ -43,12 +38,12 @@ def _conv_algorithm(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -
         x, w, b, stride, padding, dilation, transposed, _out_pad, groups = args_with_defaults(fwd)
         if transposed or len(x.meta["val"].shape) != 4:
             continue
-        stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+        stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
         geometry = (stride, padding, dilation, groups)
         matches = [
             n
             for n in backward_of.get((source(x).name, source(w).name), [])
-            if (_pair(n.args[4]), _pair(n.args[5]), _pair(n.args[6]), n.args[9]) == geometry
+            if (pair(n.args[4]), pair(n.args[5]), pair(n.args[6]), n.args[9]) == geometry
         ]
         if len(matches) > 1:
             continue  # the same layer applied twice to the same input: leave both alone

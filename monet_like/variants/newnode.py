@@ -23,6 +23,7 @@ from monet_like.variants.sites import (
     getitems,
     insert_after,
     make_site,
+    pair,
     replace,
     source,
 )
@@ -60,10 +61,9 @@ def _max_pool_compact(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict])
     changed = 0
     for fwd in calls(gm, aten.max_pool2d_with_indices.default):
         x, kernel, stride, padding, dilation, ceil_mode = args_with_defaults(fwd)
-        kernel = list(kernel) * (2 // len(kernel))
-        stride = list(stride or kernel) * (2 // len(stride or kernel))
-        padding = list(padding) * (2 // len(padding))
-        dilation = list(dilation) * (2 // len(dilation))
+        kernel = pair(kernel)
+        stride = pair(stride or kernel)
+        padding, dilation = pair(padding), pair(dilation)
         items = getitems(fwd)
         indices = items.get(1)
         shape = x.meta["val"].shape

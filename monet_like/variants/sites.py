@@ -102,6 +102,12 @@ def source(node: torch.fx.Node) -> torch.fx.Node:
     return seen
 
 
+def pair(values) -> list[int]:
+    """A 2-D op's int[2] argument as two values (aten accepts one for both)."""
+    values = list(values)
+    return values * 2 if len(values) == 1 else values
+
+
 def args_with_defaults(node: torch.fx.Node) -> list[Any]:
     """The node's positional arguments, completed with its schema's defaults."""
     schema = node.target._schema
