@@ -80,7 +80,8 @@ class AlgorithmChoice:
     one backward option, run at stage `stage` (None: no backward). `forward_live` and
     `backward_live` are the other bytes alive at those two ops, their workspace left out
     (the option adds its own). Options keep the Pareto front of time and workspace; the
-    `*_default_s` are the times of PyTorch's own choice, which the profiled step ran."""
+    `*_default_s` are the times of PyTorch's own choice in the profiled step, and an
+    option's time is that times its ratio to PyTorch's choice, measured side by side."""
 
     site: str
     unit: int
@@ -293,21 +294,31 @@ def build_problem(
     if reference is not None:
         stages, choices = _choices(graph, profile, reference, stages, unit_of_storage)
     stage_of = {i: t for t, st in enumerate(stages) for i in st.ops}
-    algorithms = [
-        AlgorithmChoice(
-            site=site,
-            unit=unit_of_node[graph.ops[fwd_op].node],
-            forward_live=other_no_ws[fwd_op],
-            forward=_pareto([((a,), t, ws) for a, t, ws in options["forward"]]),
-            forward_default_s=option(options["forward"], -1)[0],
-            stage=stage_of.get(bwd_op) if bwd_op is not None else None,
-            backward_live=other_no_ws[bwd_op] if bwd_op is not None else 0,
-            backward=_backward_options(options) if bwd_op is not None else (),
-            backward_default_s=backward_option(options, -1, -1)[0],
+    # An algorithm's time: the op's own time in the profiled step (PyTorch's algorithm),
+    # times the algorithm's ratio to PyTorch's as measured side by side. Absolute times
+    # of ops run alone are not comparable with the step's on a busy machine.
+    profiled = {n.node: n for n in profile.nodes}
+    algorithms = []
+    for site, (fwd_op, bwd_op, options) in algorithm_ops.items():
+        node = graph.ops[fwd_op].node
+        if node not in unit_of_node:
+            continue
+        fwd_s, bwd_s = profiled[node].forward_s, profiled[node].backward_s
+        fwd_scale = fwd_s / max(option(options["forward"], -1)[0], 1e-12)
+        bwd_scale = bwd_s / max(backward_option(options, -1, -1)[0], 1e-12)
+        algorithms.append(
+            AlgorithmChoice(
+                site=site,
+                unit=unit_of_node[node],
+                forward_live=other_no_ws[fwd_op],
+                forward=_pareto([((a,), t * fwd_scale, ws) for a, t, ws in options["forward"]]),
+                forward_default_s=fwd_s,
+                stage=stage_of.get(bwd_op) if bwd_op is not None else None,
+                backward_live=other_no_ws[bwd_op] if bwd_op is not None else 0,
+                backward=_backward_options(options, bwd_scale) if bwd_op is not None else (),
+                backward_default_s=bwd_s,
+            )
         )
-        for site, (fwd_op, bwd_op, options) in algorithm_ops.items()
-        if graph.ops[fwd_op].node in unit_of_node
-    ]
     return Problem(
         units=units,
         stages=stages,
@@ -347,11 +358,13 @@ def _pareto(options: list[Option]) -> tuple[Option, ...]:
     return tuple(front)
 
 
-def _backward_options(options: dict) -> tuple[Option, ...]:
-    """Every (backward-data, backward-weight) pair of measured algorithms."""
+def _backward_options(options: dict, scale: float) -> tuple[Option, ...]:
+    """Every (backward-data, backward-weight) pair of measured algorithms, its time
+    multiplied by `scale`."""
     data = [row[0] for row in options.get("data", [[-1]])]
     weight = [row[0] for row in options.get("weight", [[-1]])]
-    return _pareto([((d, w), *backward_option(options, d, w)) for d in data for w in weight])
+    pairs = [((d, w), *backward_option(options, d, w)) for d in data for w in weight]
+    return _pareto([(algos, t * scale, ws) for algos, t, ws in pairs])
 
 
 def _choices(graph: Graph, profile, reference, stages, unit_of_storage):
