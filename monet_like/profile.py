@@ -11,7 +11,8 @@ On a slow device the profile may be taken at a smaller batch than the one solved
 for; times and workspace are then measured at a second batch too and extrapolated
 per op as a + b * batch (per-op overhead and a weight reorder do not grow with the
 batch), and the profile says so (`scaled`, `profile_batch`). Where no second batch
-fits (the batch is 1 or 2), times scale linearly.
+fits (the batch is 1 or 2), times scale linearly. Convolution algorithms (conv
+mode) are timed apart, at or near the solved batch: see `_algorithm_options`.
 Profiles are cached on disk as JSON, keyed by graph fingerprint, profile batch,
 dtype, device and torch version.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -34,7 +36,7 @@ from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocations_under, record_allocations
 
-PROFILE_FORMAT = 5  # 4: algorithms; 5: "both" (one backward call with PyTorch's choice)
+PROFILE_FORMAT = 6  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch
 
 
 @dataclass(frozen=True)
@@ -289,117 +291,142 @@ def algorithm_workspace(
     return workspace
 
 
-def _measure_call(call, device: torch.device, repeats: int) -> tuple[float, int]:
-    """Median seconds of `call()` over `repeats` runs after a warm-up, and its workspace:
-    the peak bytes it allocates above what it returns."""
-    cuda = device.type == "cuda"
-    samples = []
-    for r in range(repeats + 1):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        call()
-        if cuda:
-            torch.cuda.synchronize(device)
-        if r:
-            samples.append(time.perf_counter() - t0)
+def _workspace_of(call, device: torch.device) -> int:
+    """Peak bytes `call()` allocates above what it returns."""
     held: list = []
-    if cuda:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         held.append(call())
         torch.cuda.synchronize(device)
         after = torch.cuda.memory_allocated(device)
-        return statistics.median(samples), max(0, torch.cuda.max_memory_allocated(device) - after)
+        return max(0, torch.cuda.max_memory_allocated(device) - max(after, before))
     roots = record_allocations(lambda: held.append(call()))
     running = peak = 0
     for _, size in allocations_under(roots or []):
         running += size
         peak = max(peak, running)
-    return statistics.median(samples), max(0, peak - max(running, 0))
+    return max(0, peak - max(running, 0))
+
+
+def _fastest_interleaved(calls: list, device: torch.device, rounds: int) -> list[float]:
+    """Seconds of each call: the least over `rounds` rounds that run every call once in
+    turn, after a warm-up round. Interleaved, so a busy spell of a shared machine falls
+    on all of them alike; the least, because noise only ever adds time."""
+    cuda = device.type == "cuda"
+    best = [float("inf")] * len(calls)
+    for r in range(rounds + 1):
+        for i, call in enumerate(calls):
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            call()
+            if cuda:
+                torch.cuda.synchronize(device)
+            if r:
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+# A convolution's algorithms are timed at the graph's batch, or at a smaller one when a
+# forward call would cost more than this many floating-point operations: timing the
+# choice at the batch it is for, not extrapolating small batches' times (an error at two
+# small batches grows with the distance to the real one).
+ALGORITHM_TIMING_FLOPS = 1e9
+
+
+def _timing_batch(w_shape, y_shape, batch: int, least: int) -> int:
+    """The batch a convolution's algorithms are timed at (see ALGORITHM_TIMING_FLOPS)."""
+    per_sample = 2 * math.prod(y_shape[1:]) * math.prod(w_shape[1:])
+    return max(least, min(batch, int(ALGORITHM_TIMING_FLOPS // max(per_sample, 1))))
+
+
+def _site_calls(site: dict, nodes: dict, rows: int, device: torch.device, gen) -> dict:
+    """Direction -> [(algorithm, call)] for one convolution site (variants.conv) on random
+    tensors of its shapes with `rows` samples: "forward", "data" and "weight" (each part
+    of the backward alone, the other part PyTorch's), and "both" (PyTorch's choice for
+    the whole backward, one call, as autograd runs it)."""
+    ops = torch.ops.monet_like
+
+    def real(node, batch_dim: bool) -> torch.Tensor | None:
+        if node is None:
+            return None
+        v = node.meta["val"]
+        shape = [rows, *v.shape[1:]] if batch_dim else list(v.shape)
+        return torch.randn(shape, generator=gen, dtype=v.dtype).to(device)
+
+    fwd = nodes[site["forward"][0]]
+    x_node, w_node, b_node, stride, padding, dilation, groups, _ = fwd.args
+    x, w, b = real(x_node, True), real(w_node, False), real(b_node, False)
+    geometry = (stride, padding, dilation, groups)
+    flat = list(ops.conv2d_algorithms(x, w, *geometry))
+    n_fwd, n_data = flat[0], flat[flat[0] + 1]
+    choices = {
+        "forward": flat[1 : 1 + n_fwd],
+        "data": flat[n_fwd + 2 : n_fwd + 2 + n_data],
+        "weight": flat[n_fwd + n_data + 3 :],
+    }
+    forward = partial(ops.conv2d_algo, x, w, b, *geometry)
+    calls = {"forward": [(a, partial(forward, a)) for a in choices["forward"]]}
+    if site["backward"]:
+        grad = torch.randn_like(forward(-1))
+        mask = nodes[site["backward"]].args[7]
+        backward = partial(ops.conv2d_backward_algo, grad, x, w, *geometry)
+        for k, direction in enumerate(("data", "weight")):
+            if mask[k]:
+                parts = [k == 0, k == 1, False]
+                pair = (lambda a: (a, -1)) if k == 0 else (lambda a: (-1, a))
+                calls[direction] = [
+                    (a, partial(backward, parts, *pair(a))) for a in choices[direction]
+                ]
+        if mask[0] and mask[1]:
+            calls["both"] = [(-1, partial(backward, [True, True, False], -1, -1))]
+    return calls
 
 
 def _algorithm_options(
-    graph: Graph, device: torch.device, batch: int, repeats: int, progress: bool | None = None
+    graph: Graph,
+    device: torch.device,
+    profile_batch: int,
+    repeats: int,
+    progress: bool | None = None,
 ) -> dict[str, dict[str, list[list]]]:
     """Every algorithm of every convolution site (variants.conv), run alone on random
-    tensors of the site's shapes at `batch`: [algorithm, seconds, workspace bytes]."""
+    tensors of the site's shapes: [algorithm, seconds, workspace bytes] at the graph's
+    batch. Times: the algorithms of a site run in turn, `repeats` rounds (at least 3),
+    at the graph's batch or the largest below it that ALGORITHM_TIMING_FLOPS allows,
+    then scaled linearly to it (only their ratios are used: problem.AlgorithmChoice).
+    Workspace: measured at that batch and at a second one, fitted as a + b * batch."""
     from tqdm import tqdm
 
     from monet_like.variants import algorithm_sites
 
-    ops = torch.ops.monet_like
     nodes = {n.name: n for n in graph.fx.graph.nodes}
     gen = torch.Generator(device="cpu").manual_seed(0)
-
-    def real(node, rows: int | None = None) -> torch.Tensor | None:
-        if node is None:
-            return None
-        v = node.meta["val"]
-        shape = [rows, *v.shape[1:]] if rows is not None else list(v.shape)
-        return torch.randn(shape, generator=gen, dtype=v.dtype).to(device)
-
     out: dict[str, dict[str, list[list]]] = {}
     sites = algorithm_sites(graph)
-    desc = f"measuring convolution algorithms at batch {batch}"
     hide = (not progress) if progress is not None else None  # None: tqdm asks the terminal
-    for site in tqdm(sites, desc=desc, unit="conv", disable=hide):
+    bar = tqdm(sites, desc="timing convolution algorithms", unit="conv", disable=hide)
+    for site in bar:
         fwd = nodes[site["forward"][0]]
-        x_node, w_node, b_node, stride, padding, dilation, groups, _ = fwd.args
-        x, w, b = real(x_node, batch), real(w_node), real(b_node)
-        geometry = (stride, padding, dilation, groups)
-        flat = list(ops.conv2d_algorithms(x, w, *geometry))
-        n_fwd, n_data = flat[0], flat[flat[0] + 1]
-        choices = {
-            "forward": flat[1 : 1 + n_fwd],
-            "data": flat[n_fwd + 2 : n_fwd + 2 + n_data],
-            "weight": flat[n_fwd + n_data + 3 :],
-        }
-        entry: dict[str, list[list]] = {"forward": []}
-        for a in choices["forward"]:
-            call = partial(ops.conv2d_algo, x, w, b, *geometry, a)
-            entry["forward"].append([a, *_measure_call(call, device, repeats)])
-        if site["backward"]:
-            grad = torch.randn_like(ops.conv2d_algo(x, w, b, *geometry, -1))
-            mask = nodes[site["backward"]].args[7]
-            for k, direction in enumerate(("data", "weight")):
-                if not mask[k]:
-                    continue
-                entry[direction] = []
-                for a in choices[direction]:
-                    call = partial(
-                        ops.conv2d_backward_algo,
-                        *(grad, x, w, *geometry, [k == 0, k == 1, False]),
-                        *((a, -1) if k == 0 else (-1, a)),
-                    )
-                    entry[direction].append([a, *_measure_call(call, device, repeats)])
-            if mask[0] and mask[1]:  # PyTorch's choice for both: one call
-                call = partial(
-                    ops.conv2d_backward_algo, grad, x, w, *geometry, [True, True, False], -1, -1
-                )
-                entry["both"] = [[-1, *_measure_call(call, device, repeats)]]
+        weight_shape, out_shape = fwd.args[1].meta["val"].shape, fwd.meta["val"].shape
+        timed_at = _timing_batch(weight_shape, out_shape, graph.batch, profile_batch)
+        calls = _site_calls(site, nodes, timed_at, device, gen)
+        keys = [(d, a) for d, rows in calls.items() for a, _ in rows]
+        flat = [c for rows in calls.values() for _, c in rows]
+        seconds = _fastest_interleaved(flat, device, max(repeats, 3))
+        workspace = [_workspace_of(c, device) for c in flat]
+        second = profile_batch if timed_at != profile_batch else min(2 * timed_at, graph.batch)
+        if second != timed_at:
+            others = _site_calls(site, nodes, second, device, gen)
+            other_ws = [_workspace_of(c, device) for rows in others.values() for _, c in rows]
+            workspace = _extrapolate(workspace, timed_at, other_ws, second, graph.batch)
+        entry: dict[str, list[list]] = {}
+        for (direction, algo), t, ws in zip(keys, seconds, workspace, strict=True):
+            entry.setdefault(direction, []).append([algo, t * graph.batch / timed_at, ws])
         out[site["id"]] = entry
     return out
-
-
-def _scale_algorithms(small: dict, b1: int, large: dict | None, b2: int, batch: int) -> dict:
-    """Times and workspace of each algorithm at `batch`, fitted as a + b * batch through
-    the two measured batches (scaled linearly when there is only one)."""
-    result: dict = {}
-    for site, entry in small.items():
-        result[site] = {}
-        for direction, rows in entry.items():
-            scaled = []
-            for i, (algo, t, ws) in enumerate(rows):
-                if large is None:
-                    factor = batch / b1
-                    scaled.append([algo, t * factor, int(ws * factor)])
-                    continue
-                _, t2, ws2 = large[site][direction][i]
-                (t_fit,) = _extrapolate_float([t], b1, [t2], b2, batch)
-                (ws_fit,) = _extrapolate([ws], b1, [ws2], b2, batch)
-                scaled.append([algo, t_fit, ws_fit])
-            result[site][direction] = scaled
-    return result
 
 
 def _real_args(model: nn.Module, graph: Graph, device: torch.device, dtype: torch.dtype):
@@ -533,14 +560,6 @@ def profile(
     if graph.fx is not None and algorithm_sites(graph):
         with torch.no_grad():
             algorithms = _algorithm_options(graph, device, profile_batch, repeats, progress)
-            if scaled:
-                other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
-                other = None
-                if other_batch != profile_batch:
-                    other = _algorithm_options(graph, device, other_batch, repeats, progress)
-                algorithms = _scale_algorithms(
-                    algorithms, profile_batch, other, other_batch, graph.batch
-                )
         # One measurement per convolution op: PyTorch's own algorithm as measured alone,
         # so that the store-all prediction and the solver's options agree.
         for i, w in algorithm_workspace(graph, algorithms, {}).items():
