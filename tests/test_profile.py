@@ -71,3 +71,25 @@ def test_profile_refuses_meta_model():
     graph = capture(model, (3, 16, 16), 2)
     with pytest.raises(UserError, match="meta"):
         profile(model, graph, progress=False)
+
+
+@pytest.mark.parametrize("timing_flops", [1e9, 1])
+def test_convolution_algorithms_workspace_at_the_solved_batch(monkeypatch, timing_flops):
+    """conv mode: each algorithm's workspace is reported at the solved batch, whether its
+    layer was timed there (small layers) or at the profile batch and fitted
+    (ALGORITHM_TIMING_FLOPS forced down). im2col's workspace is known exactly: the
+    whole batch's columns, C*kh*kw x Ho*Wo floats per sample."""
+    from monet_like import profile as profile_module
+    from monet_like.variants import apply
+
+    monkeypatch.setattr(profile_module, "ALGORITHM_TIMING_FLOPS", timing_flops)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    graph = apply(capture(model, (3, 16, 16), 8), "conv")
+    p = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
+    first, second = (p.algorithms[site] for site in sorted(p.algorithms))
+    for options, channels in ((first, 3), (second, 8)):
+        columns = channels * 3 * 3 * 16 * 16 * 8 * 4
+        assert dict((a, ws) for a, _, ws in options["forward"])[0] == columns
+        assert dict((a, ws) for a, _, ws in options["weight"])[0] == columns
+        assert all(t > 0 for rows in options.values() for _, t, _ in rows)
+    assert "data" not in first and "data" in second  # the input needs no gradient
