@@ -7,6 +7,7 @@ events, so workspace counts) and its time against eager PyTorch (interleaved,
 median). Writes a CSV and a PNG of memory against overhead.
 
     python scripts/bench_schedule.py [--models resnet50,...] [--points 5] [--iterations 5]
+        [--fractions 1,0.7,0.5]
         [--modes normal,inplace_normal,multiway,newnode,conv_normal,inplace_conv_multiway_newnode]
 
 With several modes, each is solved with its variants (the solver may turn sites off
@@ -57,6 +58,10 @@ def main() -> None:
     ap.add_argument("--models", default="resnet50,googlenet,mobilenet_v2,vgg16,unet")
     ap.add_argument("--modes", default="normal")
     ap.add_argument("--points", type=int, default=4, help="budgets per model")
+    ap.add_argument(
+        "--fractions",
+        help="budgets as fractions of the store-all peak, e.g. 1,0.5 (instead of --points)",
+    )
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
@@ -89,10 +94,14 @@ def main() -> None:
         low = min(low for _, _, low in setups.values())
         points = args.points if low < store_all else 1
         low = min(low, store_all)
-        for k, mode in ((k, m) for k in range(points) for m in modes):
+        if args.fractions:
+            budgets = [int(float(f) * store_all) for f in args.fractions.split(",")]
+        else:
+            budgets = [
+                int(low + (1 - k / max(1, points - 1)) * (store_all - low)) for k in range(points)
+            ]
+        for (k, budget), mode in ((kb, m) for kb in enumerate(budgets) for m in modes):
             graph, prof, mode_low = setups[mode]
-            fraction = 1 - k / max(1, points - 1)
-            budget = int(low + fraction * (store_all - low))
             if budget < mode_low:
                 print(f"{name:12s} {mode:>24s} {budget / MIB:9.1f}  below this mode's smallest")
                 continue
