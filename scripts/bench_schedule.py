@@ -7,7 +7,7 @@ events, so workspace counts) and its time against eager PyTorch (interleaved,
 median). Writes a CSV and a PNG of memory against overhead.
 
     python scripts/bench_schedule.py [--models resnet50,...] [--points 5] [--iterations 5]
-        [--fractions 1,0.7,0.5]
+        [--fractions 1,0.7,0.5] [--input_shape 3,224,224 --batch 8]
         [--modes normal,inplace_normal,multiway,newnode,conv_normal,inplace_conv_multiway_newnode]
 
 With several modes, each is solved with its variants (the solver may turn sites off
@@ -63,6 +63,8 @@ def main() -> None:
         help="budgets as fractions of the store-all peak, e.g. 1,0.5 (instead of --points)",
     )
     ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--input_shape", help="C,H,W for every model (default: its own below)")
+    ap.add_argument("--batch", type=int, help="batch for every model (default: its own below)")
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -76,6 +78,9 @@ def main() -> None:
     modes = args.modes.split(",")
     for name in args.models.split(","):
         expression, shape, batch = MODELS[name]
+        if args.input_shape:
+            shape = tuple(int(d) for d in args.input_shape.split(","))
+        batch = args.batch or batch
         torch.manual_seed(0)
         model = parse_model(expression).build()
         captured = capture(model, shape, batch, model_name=expression)
