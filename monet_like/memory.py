@@ -230,6 +230,16 @@ def allocations_under(roots) -> list[tuple[int, int]]:
     return sorted(found)
 
 
+def allocation_peak(roots) -> tuple[int, int]:
+    """(peak, held at the end): bytes the allocator events below `roots` reach at most,
+    and the net bytes they still hold when the last event is over."""
+    running = peak = 0
+    for _, size in allocations_under(roots):
+        running += size
+        peak = max(peak, running)
+    return peak, running
+
+
 def measure_allocator(step_fn: Callable[[], object], live: Iterable[torch.Tensor] = ()) -> int:
     """CPU: peak bytes seen by PyTorch's CPU allocator during `step_fn()`, plus `live`.
 
@@ -239,11 +249,7 @@ def measure_allocator(step_fn: Callable[[], object], live: Iterable[torch.Tensor
     roots = record_allocations(step_fn)
     if roots is None:
         raise RuntimeError("this torch offers no allocation events to measure with")
-    running = peak = 0
-    for _, size in allocations_under(roots):
-        running += size
-        peak = max(peak, running)
-    return base + peak
+    return base + allocation_peak(roots)[0]
 
 
 def training_step(model: nn.Module, x: torch.Tensor, loss_fn=default_loss) -> None:

@@ -34,7 +34,7 @@ from torch import nn
 
 from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
-from monet_like.memory import allocations_under, record_allocations
+from monet_like.memory import allocation_peak, record_allocations
 
 PROFILE_FORMAT = 6  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch
 
@@ -214,11 +214,8 @@ def _workspace_cpu(runner: _OpRunner, args) -> tuple[list[int], str]:
     while stack:
         ev = stack.pop()
         if ev.name.startswith("monet_op:"):
-            running = peak = 0
-            for _, size in allocations_under([ev]):
-                running += size
-                peak = max(peak, running)
-            workspace[int(ev.name.split(":")[1])] = max(0, peak - max(running, 0))
+            peak, held = allocation_peak([ev])
+            workspace[int(ev.name.split(":")[1])] = max(0, peak - max(held, 0))
         else:
             stack.extend(ev.children)
     return workspace, "torch.profiler allocation events"
@@ -302,12 +299,8 @@ def _workspace_of(call, device: torch.device) -> int:
         torch.cuda.synchronize(device)
         after = torch.cuda.memory_allocated(device)
         return max(0, torch.cuda.max_memory_allocated(device) - max(after, before))
-    roots = record_allocations(lambda: held.append(call()))
-    running = peak = 0
-    for _, size in allocations_under(roots or []):
-        running += size
-        peak = max(peak, running)
-    return max(0, peak - max(running, 0))
+    peak, kept = allocation_peak(record_allocations(lambda: held.append(call())) or [])
+    return max(0, peak - max(kept, 0))
 
 
 def _fastest_interleaved(calls: list, device: torch.device, rounds: int) -> list[float]:
