@@ -112,12 +112,16 @@ def build(graph: Graph, solution: Solution) -> Schedule:
             del recomputed_version[u]
             for name in unit_names[u]:
                 latest[name] = ORIGINAL
-        for u in sorted(stage["recompute"]):
+        for u in stage["recompute"]:
             recomputed_version[u] = t
             recomputed += 1
-            for i in unit_ops[u]:
-                for name in with_getitems(graph.ops[i].name):
-                    emit(name, t, t)
+        # In forward op order, not unit by unit: a unit can read one with a higher id
+        # (a residual add_ joins the unit of the BatchNorm it writes into, and reads the
+        # shortcut's, numbered later); unit order made it read the stale forward value,
+        # held alive, uncounted, all along.
+        for i in sorted(i for u in stage["recompute"] for i in unit_ops[u]):
+            for name in with_getitems(graph.ops[i].name):
+                emit(name, t, t)
         for i in stage["ops"]:
             if graph.ops[i].phase != BACKWARD:
                 raise ScheduleError(f"stage {t} lists forward op {graph.ops[i].name}")

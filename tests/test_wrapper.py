@@ -13,7 +13,7 @@ from monet_like.graph import capture, default_loss
 from monet_like.memory import measure_allocator, measure_training_step, state_tensors
 from monet_like.models import make_input, parse_model
 from monet_like.profile import profile
-from monet_like.schedule import finalize
+from monet_like.schedule import ORIGINAL, build, finalize
 from monet_like.solution import SolutionFileError
 from monet_like.solver import DEFAULT_DEPTH, min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
@@ -45,10 +45,25 @@ def solved(expression, shape, batch, fractions, tmp_path, depth=DEFAULT_DEPTH, i
         budget = int(low + fraction * (problem.store_all_peak_bytes - low))
         sol = solve(graph, prof, budget, solver="HIGHS", time_limit=120, depth=depth)
         bound = sol.predicted_peak_bytes
+        assert_recomputation_reads_its_own_versions(build(graph, sol))
         finalize(graph, sol, prof)
         assert sol.predicted_peak_bytes <= bound <= budget
         path = sol.save(tmp_path / f"{fraction}.json")
         yield budget, path, model, sol
+
+
+def assert_recomputation_reads_its_own_versions(schedule) -> None:
+    """A value recomputed before a stage is read in that stage's version by the other
+    recomputations, never as the forward pass's (that one, dropped, would have to be
+    held alive, uncounted: ResNet's residual add_ once read its shortcut's stale value)."""
+    emitted: dict[int, set[str]] = {}
+    for step in schedule.steps:
+        if step.version != ORIGINAL:
+            emitted.setdefault(step.version, set()).add(step.node)
+    for step in schedule.steps:
+        if step.version != ORIGINAL:
+            stale = [n for n, v in step.reads if v == ORIGINAL and n in emitted[step.version]]
+            assert not stale, (step.node, step.version, stale)
 
 
 def eager_and_replayed(model, path, shape, batch):
