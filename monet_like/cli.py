@@ -20,6 +20,7 @@ import torch
 from monet_like.errors import UserError
 
 GIB = 2**30
+DEFAULT_TIME_LIMIT = 600.0  # seconds: "solved in minutes"; the start is kept if nothing better
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -221,7 +222,13 @@ def build_solve_parser() -> argparse.ArgumentParser:
     p.add_argument("budget_gb", type=float, help="memory budget in GB (1 GB = 2**30 bytes)")
     p.add_argument("mode", help="normal, or MONeT flags joined by _ (e.g. inplace_normal)")
     p.add_argument("solver", help="CBC, HIGHS, GUROBI or PULP")
-    p.add_argument("--time_limit", type=float, default=None, help="seconds for the MILP")
+    p.add_argument(
+        "--time_limit",
+        type=float,
+        default=DEFAULT_TIME_LIMIT,
+        help=f"seconds for the MILP (default {DEFAULT_TIME_LIMIT:g}); past it, the best"
+        " schedule found is kept, with its gap",
+    )
     p.add_argument("--ablation", action="store_true", help="forbid recomputation")
     p.add_argument("--input_grad", action="store_true", help="also compute the input's gradient")
     p.add_argument("--formulation", default="compact", choices=("compact", "full"))
@@ -364,6 +371,11 @@ def _first(sol) -> str:
     seconds = sol.stats.get("first_feasible_s")
     if sol.status == "store-all":
         return "store-all needs no solve"
+    if sol.stats.get("returned_start"):
+        return (
+            f"{sol.solver} found no better schedule than the start ({sol.stats['start']},"
+            f" {seconds:.1f} s), which is returned"
+        )
     if seconds is None:
         return f"time to the first schedule within the budget: not reported by {sol.solver}"
     return f"first schedule within the budget after {seconds:.1f} s"

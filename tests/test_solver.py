@@ -19,7 +19,7 @@ from monet_like.solver import (
 )
 from monet_like.solver.milp import evaluate, formulate, is_feasible, solve_formulation
 from monet_like.solver.problem import Problem, Stage, Unit, build_problem
-from monet_like.solver.start import greedy_start
+from monet_like.solver.start import greedy_start, rounded_start, start_schedule
 
 MIB = 2**20
 SOLVERS = ["HIGHS", "CBC", "PULP"]
@@ -193,25 +193,71 @@ def test_solution_file_roundtrip_and_refusals(resnet18, tmp_path):
         load(tmp_path / "missing.json")
 
 
-def test_greedy_start_is_a_feasible_schedule():
-    """The start handed to HiGHS and PuLP satisfies every row at its budget."""
+@pytest.fixture(scope="module")
+def resnet18_problem():
     model = parse_model("torchvision.models.resnet18()").build()
     graph = capture(model, (3, 64, 64), 16)
     prof = profile(model, graph, repeats=1, progress=False)
     problem = build_problem(graph, prof)
-    f = formulate(problem, DEFAULT_DEPTH)
     low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
-    found = 0
-    for fraction in (0.9, 0.6, 0.3):
+    return graph, prof, problem, low
+
+
+def test_start_schedules_are_feasible_down_near_the_smallest_budget(resnet18_problem):
+    """Both heuristics' schedules satisfy every row at their budget; LP rounding reaches
+    budgets near the smallest feasible one, where the greedy stalls; the start handed
+    over is the cheaper one, improved, and the solver never returns worse."""
+    graph, prof, problem, low = resnet18_problem
+    f = formulate(problem, DEFAULT_DEPTH)
+    found = {"greedy": 0, "LP rounding": 0}
+    for fraction in (0.9, 0.6, 0.3, 0.1):
         budget = int(low + fraction * (problem.store_all_peak_bytes - low))
-        x = greedy_start(f, budget)
-        if x is None:
-            continue
-        found += 1
-        assert evaluate(f, x)["peak_bytes"] <= budget
-        assert is_feasible(f, x, budget)
-        assert not is_feasible(f, x, low - 1)  # the check can fail
+        costs = []
+        for name, x in (
+            ("greedy", greedy_start(f, budget)),
+            ("LP rounding", rounded_start(f, budget)),
+        ):
+            if x is None:
+                continue
+            found[name] += 1
+            costs.append(float(f.cost @ x))
+            assert evaluate(f, x)["peak_bytes"] <= budget
+            assert is_feasible(f, x, budget)
+            assert not is_feasible(f, x, low - 1)  # the check can fail
+        x, how = start_schedule(f, budget)
+        assert x is not None and how in found
+        assert is_feasible(f, x, budget) and float(f.cost @ x) <= min(costs)
         sol = solve(graph, prof, budget, solver="HIGHS")
-        assert sol.stats["start"] == "greedy" and sol.stats["first_feasible_s"] is not None
+        assert sol.stats["start"] == how and sol.stats["first_feasible_s"] is not None
         assert sol.objective_s <= sol.stats["start_objective_s"] + 1e-9  # never worse
-    assert found >= 2
+    assert found["LP rounding"] == 4 and found["greedy"] >= 2
+
+
+def test_cbc_reports_its_bound_and_gap(resnet18_problem):
+    graph, prof, problem, low = resnet18_problem
+    budget = int(low + 0.3 * (problem.store_all_peak_bytes - low))
+    sol = solve(graph, prof, budget, solver="CBC")
+    assert sol.status == "optimal" and sol.predicted_peak_bytes <= budget
+    assert sol.bound_s is not None and sol.bound_s <= sol.objective_s + 1e-9
+    assert sol.gap == pytest.approx((sol.objective_s - sol.bound_s) / sol.objective_s, abs=1e-9)
+    assert sol.gap <= 1e-3
+
+
+def test_cbc_stopped_without_a_schedule_returns_the_start(resnet18_problem, monkeypatch):
+    """CBC through cylp takes no start: when its time limit stops it before any schedule
+    (as it does at low budgets on ResNet-50), the heuristic's schedule is the answer."""
+    from monet_like.solver import milp
+
+    graph, prof, problem, low = resnet18_problem
+    budget = int(low + 0.1 * (problem.store_all_peak_bytes - low))
+    stopped = milp.RawResult(
+        "error", None, None, None, None, 0.0, "CBC", "no schedule (stopped on time)"
+    )
+    monkeypatch.setattr(milp, "_solve_cbc", lambda *args, **kwargs: stopped)
+    lines = []
+    sol = solve(graph, prof, budget, solver="CBC", time_limit=1, progress=lines.append)
+    assert sol.status == "feasible" and sol.gap is None
+    assert sol.predicted_peak_bytes <= budget
+    assert sol.objective_s == pytest.approx(sol.stats["start_objective_s"])
+    assert sol.stats["returned_start"]
+    assert any("kept as fallback" in line for line in lines)

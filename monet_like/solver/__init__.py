@@ -17,6 +17,7 @@ from monet_like.errors import UserError
 from monet_like.solution import Solution
 from monet_like.solver.milp import (
     STARTABLE,
+    RawResult,
     check_solver,
     evaluate,
     formulate,
@@ -25,7 +26,7 @@ from monet_like.solver.milp import (
     solve_formulation,
 )
 from monet_like.solver.problem import Problem, build_problem
-from monet_like.solver.start import greedy_start
+from monet_like.solver.start import start_schedule
 from monet_like.variants import parse_mode
 
 SOLVERS = ("CBC", "HIGHS", "GUROBI", "PULP")
@@ -169,6 +170,23 @@ def solve(
     return with_variants
 
 
+def _from_start(f, start, raw, solver: str, tolerance: float) -> RawResult:
+    """The solver's result replaced by the start schedule: feasible, its gap measured
+    against the solver's bound where it reported one."""
+    objective = float(f.cost @ start) * 1e-3
+    bound = raw.bound if raw.status in ("feasible", "optimal") else None
+    gap = None
+    if objective <= 1e-12:
+        gap, bound = 0.0, 0.0
+    elif bound is not None:
+        gap = max(0.0, objective - bound) / objective
+    return RawResult(
+        "optimal" if gap is not None and gap <= tolerance else "feasible",
+        start, objective, bound, gap, raw.solve_time_s, solver,
+        first_feasible_s=0.0, start_objective=objective,
+    )  # fmt: skip
+
+
 def _solve(
     graph,
     profile,
@@ -226,23 +244,25 @@ def _solve(
         )
 
     f = formulate(problem, depth, allow_recompute=not ablation)
-    start, start_s = None, 0.0
-    if solver in STARTABLE:
-        t0 = time.perf_counter()
-        start = greedy_start(f, budget_bytes)
-        if start is not None and not is_feasible(f, start, budget_bytes):
-            start = None  # never hand a solver a start that breaks a row
-        start_s = time.perf_counter() - t0
-        if progress is not None:
+    t0 = time.perf_counter()
+    start, how = start_schedule(f, budget_bytes)
+    if start is not None and not is_feasible(f, start, budget_bytes):
+        start, how = None, "the heuristic's schedule broke a row"  # never hand that over
+    start_s = time.perf_counter() - t0
+    if progress is not None:
+        if start is None:
+            progress(f"start: none ({how}, {start_s:.1f} s); {solver} starts from scratch")
+        else:
             progress(
-                f"start: greedy checkpointing schedule with "
-                f"{float(f.cost @ start) * 1e-3:.3f} s of recomputation ({start_s:.1f} s)"
-                if start is not None
-                else f"start: the greedy heuristic found no schedule within the budget "
-                f"({start_s:.1f} s); {solver} starts from scratch"
+                f"start: {how} schedule with {float(f.cost @ start) * 1e-3:.3f} s of "
+                f"recomputation ({start_s:.1f} s)"
+                + ("" if solver in STARTABLE else f"; {solver} takes no start, kept as fallback")
             )
-    raw = solve_formulation(f, budget_bytes, solver, time_limit, gap, verbose, start, progress)
-    if raw.status == "infeasible":
+    raw = solve_formulation(
+        f, budget_bytes, solver, time_limit, gap, verbose,
+        start if solver in STARTABLE else None, progress,
+    )  # fmt: skip
+    if raw.status == "infeasible" and start is None:
         smallest = min_feasible_budget(problem, depth, ablation, solver)
         raise InfeasibleBudget(
             f"no schedule fits {budget_bytes / GIB:.3f} GB: the smallest feasible budget is "
@@ -250,22 +270,34 @@ def _solve(
             smallest,
             problem.fixed_bytes,
         )
-    if raw.status == "error":
+    x, returned_start = raw.x_bool, False
+    fits = x is not None and evaluate(f, x)["peak_bytes"] <= budget_bytes + 1024
+    if x is not None and not fits and raw.status == "optimal":
+        raise RuntimeError(
+            f"{solver} returned a schedule of {evaluate(f, x)['peak_bytes']} bytes for a "
+            f"budget of {budget_bytes}: a bug in the formulation or the solver"
+        )
+    if start is not None and (not fits or float(f.cost @ start) < float(f.cost @ x)):
+        # The solver stopped (time limit) without a schedule, or with a costlier one
+        # than the start it could not take: the start is the answer.
+        raw = _from_start(f, start, raw, solver, gap)
+        x, fits, returned_start = start, True, True
+    if raw.status == "error" and not fits:
         raise UserError(f"solver {solver} failed: {raw.message}")
-
-    x = raw.x_bool
-    peak = evaluate(f, x)
-    if peak["peak_bytes"] > budget_bytes + 1024:  # beyond the solver's own tolerance
-        if raw.status == "optimal":
-            raise RuntimeError(
-                f"{solver} returned a schedule of {peak['peak_bytes']} bytes for a budget of "
-                f"{budget_bytes}: a bug in the formulation or the solver"
-            )
+    if not fits:
         raise UserError(
             f"{solver} stopped at the time limit without a schedule that fits "
-            f"{budget_bytes / GIB:.3f} GB (its best one needs {peak['peak_bytes'] / GIB:.3f} GB):"
-            " give it more time (--time_limit) or use HIGHS"
+            f"{budget_bytes / GIB:.3f} GB (its best one needs "
+            f"{evaluate(f, x)['peak_bytes'] / GIB:.3f} GB): give it more time (--time_limit)"
+            " or use HIGHS"
         )
+    peak = evaluate(f, x)
+    if start is not None:  # a schedule within the budget existed once the start did
+        first_feasible_s = start_s
+    elif raw.first_feasible_s is not None:
+        first_feasible_s = raw.first_feasible_s + start_s
+    else:
+        first_feasible_s = None  # the solver reports no incumbents
     off = [c.site for k, c in enumerate(problem.choices) if x[f.off_col[k]]]
     algorithms = {}
     for a, (i, j) in zip(problem.algorithms, f.chosen_options(x), strict=True):
@@ -293,11 +325,10 @@ def _solve(
         predicted_time_s=problem.store_all_time_s - problem.choice_base_s + raw.objective,
         stats={
             **f.stats,
-            "start": "greedy" if start is not None else None,
+            "start": how if start is not None else None,
+            "returned_start": returned_start,
             "start_objective_s": raw.start_objective,
-            "first_feasible_s": None
-            if raw.first_feasible_s is None
-            else raw.first_feasible_s + start_s,
+            "first_feasible_s": first_feasible_s,
         },
         keep=[bool(x[f.keep[u.id]]) for u in problem.units],
         units=[list(u.nodes) for u in problem.units],

@@ -15,8 +15,8 @@ backward stage, with the backward-only bytes (gradients, temporaries, workspace)
 of the stage's worst op. Auxiliary running sums keep the number of nonzeros
 linear in the size of the graph.
 
-The matrix is built once, sparse, and handed to cvxpy (CBC, HiGHS, Gurobi) or to
-PuLP's bundled CBC.
+The matrix is built once, sparse, and handed to HiGHS (highspy), CBC (cylp), Gurobi
+(cvxpy) or PuLP's bundled CBC.
 """
 
 from __future__ import annotations
@@ -267,9 +267,11 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         for u in stage.need:
             row([(j, -a) for j, a in present(t, u)], [], -1.0)  # P >= 1
         for u in c:
-            # A kept unit stays until its last possible use: once freed, it could only
-            # come back by recomputation, never as the "pinned" kept value.
-            row([(keep[u], 1.0)] + [(j, -a) for j, a in present(t, u)], [], 0.0)
+            # A kept unit stays, as itself, until its last possible use: once freed, it
+            # could only come back by recomputation, never as the "pinned" kept value; and
+            # recomputing it while kept would hold a second copy the rows do not count
+            # (a min-memory solve, indifferent to time, once left R = 1 on kept units).
+            row([(keep[u], 1.0), (s_index[t, u], -1.0)], [], 0.0)  # keep <= S
             if (t, u) in r_index:
                 row(present(t, u), [], 1.0)  # S + R <= 1
                 for v in units[u].inputs:  # recompute needs its inputs
@@ -412,6 +414,8 @@ def solve_formulation(
     elif solver == "HIGHS":
         minimize_budget = budget_bytes is None
         res = _solve_highs(f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, pins)
+    elif solver == "CBC":
+        res = _solve_cbc(f, rhs, time_limit, gap, verbose, budget_bytes is None)
     else:
         res = _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, budget_bytes is None)
     res.solve_time_s = time.perf_counter() - started
@@ -489,6 +493,21 @@ def lean_choices(f: Formulation) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(cols).astype(int), np.concatenate(values)
 
 
+def relaxation(f: Formulation, budget_bytes: float, time_limit: float = 60.0) -> np.ndarray | None:
+    """The binary columns' values in the LP relaxation at `budget_bytes` (least
+    recomputation), or None when even the relaxation is infeasible (or not solved
+    within `time_limit` seconds)."""
+    import highspy
+
+    h = _highs_model(f, _rhs_for(f, budget_bytes), False)
+    h.setOptionValue("solve_relaxation", True)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    return np.asarray(h.getSolution().col_value[: f.n_bool])
+
+
 def is_feasible(f: Formulation, x_bool: np.ndarray, budget_bytes: int) -> bool:
     """Whether the binary columns `x_bool` satisfy every row within `budget_bytes` (the
     continuous columns completed by an LP)."""
@@ -547,6 +566,60 @@ def _solve_highs(f, rhs, time_limit, gap, verbose, minimize_budget, start, progr
     return res
 
 
+def _solve_cbc(f, rhs, time_limit, gap, verbose, minimize_budget=False) -> RawResult:
+    """CBC through cylp directly (the library cvxpy itself calls for CBC): cvxpy's
+    interface does not pass on CBC's best bound, so it could report no gap."""
+    from cylp.cy import CyClpSimplex
+    from cylp.py.modeling.CyLPModel import CyLPArray, CyLPModel
+
+    model = CyLPModel()
+    x = model.addVariable("x", f.n_bool, isInt=True)
+    y = model.addVariable("y", f.n_cont)
+    a_b, a_c = f.a_bool.tocsr(), f.a_cont.tocsr()
+    objective = CyLPArray(f.cost) * x
+    eq, le = f.is_eq, ~f.is_eq
+    if minimize_budget:
+        budget = model.addVariable("budget", 1)
+        on_budget = np.zeros((f.n_rows, 1))
+        on_budget[f.budget_rows] = -1.0
+        a_budget = sp.csr_matrix(on_budget)
+        objective = CyLPArray([1.0]) * budget + CyLPArray(1e-6 * f.cost) * x
+    for rows, sense in ((eq, "=="), (le, "<=")):
+        if not rows.any():
+            continue
+        lhs = a_b[rows] * x + a_c[rows] * y
+        if minimize_budget:
+            lhs = lhs + a_budget[rows] * budget
+        model += (lhs == CyLPArray(rhs[rows])) if sense == "==" else (lhs <= CyLPArray(rhs[rows]))
+    model += 0 <= x <= 1
+    model.objective = objective
+    clp = CyClpSimplex(model)
+    clp.logLevel = 0
+    cbc = clp.getCbcModel()
+    cbc.logLevel = 1 if verbose else 0
+    cbc.allowableFractionGap = float(gap)
+    if time_limit:
+        cbc.maximumSeconds = float(time_limit)
+    cbc.solve()
+    status = cbc.status
+    if status in ("relaxation infeasible", "problem proven infeasible"):
+        return RawResult("infeasible", None, None, None, None, 0.0, "CBC")
+    # solutionCount misses a solution found in preprocessing; CBC's objective stays at
+    # its "infinity" (1e50) while it holds no incumbent.
+    if status != "solution" and not cbc.objectiveValue < 1e40:
+        return RawResult("error", None, None, None, None, 0.0, "CBC", f"no schedule ({status})")
+    x_val = np.round(np.asarray(cbc.primalVariableSolution["x"])).astype(int)
+    bound = cbc.bestPossibleObjValue
+    objective_ms = float(f.cost @ x_val)
+    gap_value = (
+        max(0.0, objective_ms - bound) / objective_ms
+        if np.isfinite(bound) and objective_ms > 0
+        else None
+    )
+    final = "optimal" if status == "solution" else "feasible"
+    return _finish(f, x_val, final, bound, gap_value, gap, "CBC", minimize_budget)
+
+
 def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, minimize_budget=False) -> RawResult:
     import cvxpy as cp
 
@@ -568,11 +641,7 @@ def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, minimize_budget=False
         cons.append(lhs[le] <= rhs[le])
     prob = cp.Problem(cp.Minimize(objective), cons)
     opts: dict = {}
-    if solver == "CBC":
-        opts = {"allowableFractionGap": gap}
-        if time_limit:
-            opts["maximumSeconds"] = int(max(1, time_limit))
-    elif solver == "GUROBI":
+    if solver == "GUROBI":
         opts = {"MIPGap": gap}
         if time_limit:
             opts["TimeLimit"] = float(time_limit)

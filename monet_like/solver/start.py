@@ -1,20 +1,30 @@
-"""A feasible start for the MILP: a greedy checkpointing schedule.
+"""A feasible start for the MILP: a checkpointing schedule that already fits.
 
-The solver is handed a schedule that already fits, so a time-limited solve has a
-valid answer from its first second. The heuristic tries units in order of bytes
-freed per second of recomputation and recomputes each dropped unit just in time:
-at every backward stage, what the stage needs is either kept, still in memory from
-the previous stage, or recomputed from its inputs (themselves kept, carried or
-recomputed). A drop stays when it does not raise the exact peak under the MILP's
-own memory model (`milp.evaluate`); the heuristic stops as soon as the peak fits
-the budget, or after a few passes over the order.
+The solver is handed a schedule within the budget, so a time-limited solve has a
+valid answer from its first seconds, and a solver that takes no start (CBC through
+cylp) still has one to fall back on. Every schedule here recomputes each dropped unit
+just in time: at every backward stage, what the stage needs is either kept, still in
+memory from the previous stage, or recomputed from its inputs (themselves kept,
+carried or recomputed). Two ways choose what to keep:
+
+- greedy: units in order of bytes freed per second of recomputation, each dropped
+  when that does not raise the exact peak under the MILP's own memory model
+  (`milp.evaluate`); it stalls at budgets far below the store-all peak;
+- LP rounding (after Checkmate): the LP relaxation of the MILP at the budget or a
+  little below, its keep columns rounded at a few thresholds; the cheapest rounding
+  that fits wins. It reaches budgets near the smallest feasible one.
+
+The cheaper of the two is then improved by keeping again, one at a time, the
+dropped units whose recomputation costs most, while the peak still fits.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from monet_like.solver.milp import Formulation, evaluate, lean_choices
+from monet_like.solver.milp import Formulation, evaluate, lean_choices, relaxation
 
 
 class _MustKeep(Exception):
@@ -116,3 +126,73 @@ def greedy_start(f: Formulation, budget_bytes: int, passes: int = 3) -> np.ndarr
         if not changed:
             break
     return x if peak <= budget_bytes else None
+
+
+LP_BUDGET_SCALES = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # LP budgets, fractions of the real one
+ROUNDING_THRESHOLDS = (0.9, 0.7, 0.5, 0.3, 0.1, 0.01)  # keep u when its LP keep value is above
+
+
+def rounded_start(f: Formulation, budget_bytes: int, time_limit: float = 60.0) -> np.ndarray | None:
+    """Binary columns of the cheapest just-in-time schedule within `budget_bytes` whose
+    kept units are the LP relaxation's keep columns rounded; None if no rounding fits.
+
+    The LP is solved at the budget and, while no rounding fits, at smaller ones (a
+    rounded schedule needs more memory than the LP's fractional one), for at most
+    `time_limit` seconds in all."""
+    deadline = time.perf_counter() + time_limit
+    best, best_cost = None, np.inf
+    for scale in LP_BUDGET_SCALES:
+        remaining = deadline - time.perf_counter()
+        lp = relaxation(f, budget_bytes * scale, remaining) if remaining > 0 else None
+        if lp is None:  # infeasible even fractionally (smaller budgets are too), or slow
+            break
+        for threshold in ROUNDING_THRESHOLDS:
+            x = _fit(f, lp[f.keep] >= threshold)
+            cost = float(f.cost @ x)
+            if cost < best_cost and evaluate(f, x)["peak_bytes"] <= budget_bytes:
+                best, best_cost = x, cost
+        if best is not None:
+            return best
+    return None
+
+
+def keep_back(f: Formulation, x: np.ndarray, budget_bytes: int) -> np.ndarray:
+    """`x` improved: dropped units kept again, costliest recomputation first, while
+    the schedule stays within `budget_bytes` and gets cheaper."""
+    units = f.problem.units
+    kept = x[f.keep].astype(bool)
+    cost = float(f.cost @ x)
+    order = sorted(
+        (u.id for u in units if not u.random and u.side_of is None),
+        key=lambda u: units[u].recompute_s,
+        reverse=True,
+    )
+    improved = True
+    while improved:
+        improved = False
+        for u in order:
+            if kept[u]:
+                continue
+            trial = kept.copy()
+            trial[u] = True
+            x_trial = _fit(f, trial)
+            trial_cost = float(f.cost @ x_trial)
+            if trial_cost < cost and evaluate(f, x_trial)["peak_bytes"] <= budget_bytes:
+                kept, x, cost, improved = trial, x_trial, trial_cost, True
+    return x
+
+
+def start_schedule(f: Formulation, budget_bytes: int) -> tuple[np.ndarray | None, str]:
+    """The cheapest start found (greedy, LP rounding, then `keep_back`), and how it was
+    found; (None, reason) when neither heuristic fits the budget."""
+    found = []
+    greedy = greedy_start(f, budget_bytes)
+    if greedy is not None:
+        found.append((float(f.cost @ greedy), "greedy", greedy))
+    rounded = rounded_start(f, budget_bytes)
+    if rounded is not None:
+        found.append((float(f.cost @ rounded), "LP rounding", rounded))
+    if not found:
+        return None, "neither the greedy nor LP rounding found a schedule within the budget"
+    _, how, x = min(found, key=lambda item: item[0])
+    return keep_back(f, x, budget_bytes), how
