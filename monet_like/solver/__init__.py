@@ -183,7 +183,7 @@ def _from_start(f, start, raw, solver: str, tolerance: float) -> RawResult:
     return RawResult(
         "optimal" if gap is not None and gap <= tolerance else "feasible",
         start, objective, bound, gap, raw.solve_time_s, solver,
-        first_feasible_s=0.0, start_objective=objective,
+        first_feasible_s=0.0,
     )  # fmt: skip
 
 
@@ -327,7 +327,7 @@ def _solve(
             **f.stats,
             "start": how if start is not None else None,
             "returned_start": returned_start,
-            "start_objective_s": raw.start_objective,
+            "start_objective_s": None if start is None else float(f.cost @ start) * 1e-3,
             "first_feasible_s": first_feasible_s,
         },
         keep=[bool(x[f.keep[u.id]]) for u in problem.units],

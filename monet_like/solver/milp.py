@@ -375,7 +375,6 @@ class RawResult:
     solver: str
     message: str = ""
     first_feasible_s: float | None = None  # when the first schedule within budget was known
-    start_objective: float | None = None  # recompute seconds of the start given, if any
 
 
 def _rhs_for(f: Formulation, budget_bytes: float | None) -> np.ndarray:
@@ -420,7 +419,6 @@ def solve_formulation(
         res = _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, budget_bytes is None)
     res.solve_time_s = time.perf_counter() - started
     if start is not None and solver in STARTABLE:
-        res.start_objective = float(f.cost @ start) * MS
         res.first_feasible_s = 0.0
     return res
 
