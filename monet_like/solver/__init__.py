@@ -23,6 +23,7 @@ from monet_like.solver.milp import (
     formulate,
     is_feasible,
     lean_choices,
+    relative_gap,
     solve_formulation,
 )
 from monet_like.solver.problem import Problem, build_problem
@@ -175,11 +176,9 @@ def _from_start(f, start, raw, solver: str, tolerance: float) -> RawResult:
     against the solver's bound where it reported one."""
     objective = float(f.cost @ start) * 1e-3
     bound = raw.bound if raw.status in ("feasible", "optimal") else None
-    gap = None
+    gap = relative_gap(objective, bound)
     if objective <= 1e-12:
-        gap, bound = 0.0, 0.0
-    elif bound is not None:
-        gap = max(0.0, objective - bound) / objective
+        bound = 0.0
     return RawResult(
         "optimal" if gap is not None and gap <= tolerance else "feasible",
         start, objective, bound, gap, raw.solve_time_s, solver,
@@ -249,12 +248,13 @@ def _solve(
     if start is not None and not is_feasible(f, start, budget_bytes):
         start, how = None, "the heuristic's schedule broke a row"  # never hand that over
     start_s = time.perf_counter() - t0
+    start_cost = None if start is None else float(f.cost @ start)  # ms
     if progress is not None:
         if start is None:
             progress(f"start: none ({how}, {start_s:.1f} s); {solver} starts from scratch")
         else:
             progress(
-                f"start: {how} schedule with {float(f.cost @ start) * 1e-3:.3f} s of "
+                f"start: {how} schedule with {start_cost * 1e-3:.3f} s of "
                 f"recomputation ({start_s:.1f} s)"
                 + ("" if solver in STARTABLE else f"; {solver} takes no start, kept as fallback")
             )
@@ -271,27 +271,27 @@ def _solve(
             problem.fixed_bytes,
         )
     x, returned_start = raw.x_bool, False
-    fits = x is not None and evaluate(f, x)["peak_bytes"] <= budget_bytes + 1024
-    if x is not None and not fits and raw.status == "optimal":
+    peak = None if x is None else evaluate(f, x)
+    fits = peak is not None and peak["peak_bytes"] <= budget_bytes + 1024
+    if peak is not None and not fits and raw.status == "optimal":
         raise RuntimeError(
-            f"{solver} returned a schedule of {evaluate(f, x)['peak_bytes']} bytes for a "
+            f"{solver} returned a schedule of {peak['peak_bytes']} bytes for a "
             f"budget of {budget_bytes}: a bug in the formulation or the solver"
         )
-    if start is not None and (not fits or float(f.cost @ start) < float(f.cost @ x)):
+    if start is not None and (not fits or start_cost < float(f.cost @ x)):
         # The solver stopped (time limit) without a schedule, or with a costlier one
         # than the start it could not take: the start is the answer.
         raw = _from_start(f, start, raw, solver, gap)
-        x, fits, returned_start = start, True, True
+        x, peak, fits, returned_start = start, evaluate(f, start), True, True
     if raw.status == "error" and not fits:
         raise UserError(f"solver {solver} failed: {raw.message}")
     if not fits:
         raise UserError(
             f"{solver} stopped at the time limit without a schedule that fits "
             f"{budget_bytes / GIB:.3f} GB (its best one needs "
-            f"{evaluate(f, x)['peak_bytes'] / GIB:.3f} GB): give it more time (--time_limit)"
+            f"{peak['peak_bytes'] / GIB:.3f} GB): give it more time (--time_limit)"
             " or use HIGHS"
         )
-    peak = evaluate(f, x)
     if start is not None:  # a schedule within the budget existed once the start did
         first_feasible_s = start_s
     elif raw.first_feasible_s is not None:
@@ -327,7 +327,7 @@ def _solve(
             **f.stats,
             "start": how if start is not None else None,
             "returned_start": returned_start,
-            "start_objective_s": None if start is None else float(f.cost @ start) * 1e-3,
+            "start_objective_s": None if start is None else start_cost * 1e-3,
             "first_feasible_s": first_feasible_s,
         },
         keep=[bool(x[f.keep[u.id]]) for u in problem.units],

@@ -423,6 +423,16 @@ def solve_formulation(
     return res
 
 
+def relative_gap(objective: float, bound: float | None) -> float | None:
+    """How far `objective` may be above the optimum, given the solver's best `bound`:
+    0 for a schedule that recomputes nothing, None without a finite bound."""
+    if objective <= 1e-12:
+        return 0.0
+    if bound is None or not np.isfinite(bound):
+        return None
+    return max(0.0, objective - bound) / objective
+
+
 def _finish(f, x_val, status, bound, gap_value, gap, solver, minimize_budget) -> RawResult:
     """Common tail of the solver interfaces: objective in seconds, gap and bound cleaned."""
     objective = float(f.cost @ x_val) * MS
@@ -608,12 +618,7 @@ def _solve_cbc(f, rhs, time_limit, gap, verbose, minimize_budget=False) -> RawRe
         return RawResult("error", None, None, None, None, 0.0, "CBC", f"no schedule ({status})")
     x_val = np.round(np.asarray(cbc.primalVariableSolution["x"])).astype(int)
     bound = cbc.bestPossibleObjValue
-    objective_ms = float(f.cost @ x_val)
-    gap_value = (
-        max(0.0, objective_ms - bound) / objective_ms
-        if np.isfinite(bound) and objective_ms > 0
-        else None
-    )
+    gap_value = relative_gap(float(f.cost @ x_val), bound)
     final = "optimal" if status == "solution" else "feasible"
     return _finish(f, x_val, final, bound, gap_value, gap, "CBC", minimize_budget)
 
