@@ -190,16 +190,18 @@ def measure(
 
 
 @contextlib.contextmanager
-def _quiet_stderr():
-    """Silence the profiler library's own log lines (it writes to fd 2 from C++)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
+def silenced(fd: int):
+    """Discard what C++ libraries write to file descriptor `fd` (1 or 2) meanwhile: the
+    profiler library's log lines, HiGHS's banner (printed from its constructor since
+    highspy 1.16, before any option can turn it off)."""
+    (sys.stdout if fd == 1 else sys.stderr).flush()
+    saved = os.dup(fd)
     with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
+        os.dup2(sink.fileno(), fd)
         try:
             yield
         finally:
-            os.dup2(saved, 2)
+            os.dup2(saved, fd)
             os.close(saved)
 
 
@@ -210,7 +212,7 @@ def record_allocations(fn: Callable[[], object]):
     """
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with silenced(2), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     try:
         return prof.profiler.kineto_results.experimental_event_tree()

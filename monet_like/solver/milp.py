@@ -31,6 +31,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from monet_like.errors import UserError
+from monet_like.memory import silenced
 from monet_like.solver.problem import Problem
 
 MIB = float(2**20)  # bytes are scaled to MiB inside the matrix: better conditioned
@@ -456,7 +457,8 @@ def _highs_model(f: Formulation, rhs: np.ndarray, minimize_budget: bool, fixed=N
     `pins` = (columns, values) some of them."""
     import highspy
 
-    h = highspy.Highs()
+    with silenced(1):  # highspy >= 1.16 prints its banner from the constructor
+        h = highspy.Highs()
     h.setOptionValue("output_flag", False)  # before passModel: no banner
     n_b, n_c = f.n_bool, f.n_cont
     n_cols = n_b + n_c + (1 if minimize_budget else 0)
