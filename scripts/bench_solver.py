@@ -9,7 +9,13 @@ heuristic's schedule beside the solver's (how it was found, its recomputation
 seconds). Writes a CSV and a PNG.
 
     python scripts/bench_solver.py [--models resnet50,googlenet,...] [--budgets 10,9,8,7,6,5]
-        [--solvers HIGHS,CBC] [--time_limit 600] [--formulation compact] [--out out/]
+        [--solvers HIGHS,CBC] [--mode normal] [--time_limit 600] [--formulation compact]
+        [--out out/]
+
+With a mode other than `normal` (e.g. `inplace_conv_multiway_newnode`, the full mode)
+the graph is rewritten with the mode's variants and profiled so, and the MILP of that
+graph is solved alone: `solve.py` also solves the captured graph at the same budget
+and keeps the faster schedule, a second, smaller solve that this table leaves out.
 """
 
 import argparse
@@ -23,7 +29,8 @@ from monet_like.errors import UserError
 from monet_like.graph import capture
 from monet_like.models import parse_model
 from monet_like.profile import profile
-from monet_like.solver import InfeasibleBudget, solve
+from monet_like.solver import InfeasibleBudget, parse_mode, solve
+from monet_like.variants import apply as apply_variants
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 GIB = 2**30
@@ -44,20 +51,22 @@ def main() -> None:
     ap.add_argument("--solvers", default="HIGHS,CBC")
     ap.add_argument("--time_limit", type=float, default=600)
     ap.add_argument("--formulation", default="compact")
+    ap.add_argument("--mode", default="normal")
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
+    parse_mode(args.mode)  # a bad mode fails before any capture or profiling
     os.makedirs(args.out, exist_ok=True)
 
     rows = []
     for name in args.models.split(","):
         expression, shape, batch, profile_batch = MODELS[name]
         model = parse_model(expression).build("cpu")
-        graph = capture(model, shape, batch, model_name=expression)
+        graph = apply_variants(capture(model, shape, batch, model_name=expression), args.mode)
         t0 = time.perf_counter()
         prof = profile(model, graph, profile_batch=profile_batch, progress=False)
         print(
-            f"\n{name} batch {batch}: {len(graph.nodes)} nodes; profiled at batch "
-            f"{profile_batch} in {time.perf_counter() - t0:.0f} s"
+            f"\n{name} batch {batch}, mode {args.mode}: {len(graph.nodes)} nodes;"
+            f" profiled at batch {profile_batch} in {time.perf_counter() - t0:.0f} s"
             f"{' (cached)' if prof.cached else ''}"
         )
         print(
@@ -67,7 +76,13 @@ def main() -> None:
         )
         for budget in (float(b) for b in args.budgets.split(",")):
             for solver in args.solvers.split(","):
-                row = {"model": name, "batch": batch, "budget_gb": budget, "solver": solver}
+                row = {
+                    "model": name,
+                    "batch": batch,
+                    "mode": args.mode,
+                    "budget_gb": budget,
+                    "solver": solver,
+                }
                 try:
                     sol = solve(
                         graph,
@@ -76,6 +91,7 @@ def main() -> None:
                         solver=solver,
                         time_limit=args.time_limit,
                         formulation=args.formulation,
+                        mode=args.mode,
                     )
                     row.update(
                         status=sol.status,
