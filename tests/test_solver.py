@@ -243,20 +243,33 @@ def test_cbc_reports_its_bound_and_gap(resnet18_problem):
     assert sol.gap <= 1e-3
 
 
-def test_cbc_stopped_without_a_schedule_returns_the_start(resnet18_problem, monkeypatch):
+@pytest.mark.parametrize("bound_fraction", [None, 0.5])
+def test_cbc_stopped_without_a_schedule_returns_the_start(
+    resnet18_problem, monkeypatch, bound_fraction
+):
     """CBC through cylp takes no start: when its time limit stops it before any schedule
-    (as it does at low budgets on ResNet-50), the heuristic's schedule is the answer."""
+    (as it does at low budgets on ResNet-50), the heuristic's schedule is the answer,
+    its gap measured against CBC's bound where CBC had one."""
     from monet_like.solver import milp
 
     graph, prof, problem, low = resnet18_problem
     budget = int(low + 0.1 * (problem.store_all_peak_bytes - low))
+    f = formulate(problem, DEFAULT_DEPTH)
+    start, _ = start_schedule(f, budget)
+    start_s = float(f.cost @ start) * milp.MS
+    assert start_s > 0  # a schedule that recomputes, so that its gap is not 0 by definition
+    bound = None if bound_fraction is None else bound_fraction * start_s
     stopped = milp.RawResult(
-        "error", None, None, None, None, 0.0, "CBC", "no schedule (stopped on time)"
+        "error", None, None, bound, None, 0.0, "CBC", "no schedule (stopped on time)"
     )
     monkeypatch.setattr(milp, "_solve_cbc", lambda *args, **kwargs: stopped)
     lines = []
     sol = solve(graph, prof, budget, solver="CBC", time_limit=1, progress=lines.append)
-    assert sol.status == "feasible" and sol.gap is None
+    assert sol.status == "feasible"
+    if bound is None:
+        assert sol.gap is None
+    else:
+        assert sol.gap == pytest.approx(1 - bound_fraction) and sol.bound_s == bound
     assert sol.predicted_peak_bytes <= budget
     assert sol.objective_s == pytest.approx(sol.stats["start_objective_s"])
     assert sol.stats["returned_start"]

@@ -173,9 +173,10 @@ def solve(
 
 def _from_start(f, start, raw, solver: str, tolerance: float) -> RawResult:
     """The solver's result replaced by the start schedule: feasible, its gap measured
-    against the solver's bound where it reported one."""
+    against the solver's bound where it reported one (also when it stopped without a
+    schedule of its own)."""
     objective = float(f.cost @ start) * 1e-3
-    bound = raw.bound if raw.status in ("feasible", "optimal") else None
+    bound = raw.bound if raw.status != "infeasible" else None
     gap = relative_gap(objective, bound)
     if objective <= 1e-12:
         bound = 0.0

@@ -617,7 +617,14 @@ def _solve_cbc(f, rhs, time_limit, gap, verbose, minimize_budget=False) -> RawRe
     # solutionCount misses a solution found in preprocessing; CBC's objective stays at
     # its "infinity" (1e50) while it holds no incumbent.
     if status != "solution" and not cbc.objectiveValue < 1e40:
-        return RawResult("error", None, None, None, None, 0.0, "CBC", f"no schedule ({status})")
+        # Stopped by the time limit before any schedule, its bound still holds: a start
+        # returned in place of the search is then measured against it.
+        bound = cbc.bestPossibleObjValue
+        known = status == "stopped on time" and not minimize_budget and abs(bound) < 1e40
+        return RawResult(
+            "error", None, None, bound * MS if known else None, None, 0.0, "CBC",
+            f"no schedule ({status})",
+        )  # fmt: skip
     x_val = np.round(np.asarray(cbc.primalVariableSolution["x"])).astype(int)
     bound = cbc.bestPossibleObjValue
     gap_value = relative_gap(float(f.cost @ x_val), bound)
