@@ -245,7 +245,7 @@ def _solve(
 
     f = formulate(problem, depth, allow_recompute=not ablation)
     t0 = time.perf_counter()
-    start, how = start_schedule(f, budget_bytes)
+    start, how = start_schedule(f, budget_bytes, solver)
     if start is not None and not is_feasible(f, start, budget_bytes):
         start, how = None, "the heuristic's schedule broke a row"  # never hand that over
     start_s = time.perf_counter() - t0

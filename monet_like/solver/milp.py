@@ -403,7 +403,7 @@ def solve_formulation(
     `start`: binary columns of a schedule within the budget, handed to the solvers
     that take one (HiGHS, PuLP's CBC); with a start the first feasible time is 0.
     `progress` receives one line per improved schedule where the solver reports them.
-    `pins` = (columns, values) fixes some binary columns (HiGHS only).
+    `pins` = (columns, values) fixes some binary columns (HiGHS and CBC).
     """
     rhs = _rhs_for(f, budget_bytes)
     started = time.perf_counter()
@@ -415,7 +415,7 @@ def solve_formulation(
         minimize_budget = budget_bytes is None
         res = _solve_highs(f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, pins)
     elif solver == "CBC":
-        res = _solve_cbc(f, rhs, time_limit, gap, verbose, budget_bytes is None)
+        res = _solve_cbc(f, rhs, time_limit, gap, verbose, budget_bytes is None, pins)
     else:
         res = _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, budget_bytes is None)
     res.solve_time_s = time.perf_counter() - started
@@ -576,7 +576,7 @@ def _solve_highs(f, rhs, time_limit, gap, verbose, minimize_budget, start, progr
     return res
 
 
-def _solve_cbc(f, rhs, time_limit, gap, verbose, minimize_budget=False) -> RawResult:
+def _solve_cbc(f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=None) -> RawResult:
     """CBC through cylp directly (the library cvxpy itself calls for CBC): cvxpy's
     interface does not pass on CBC's best bound, so it could report no gap."""
     from cylp.cy import CyClpSimplex
@@ -601,7 +601,10 @@ def _solve_cbc(f, rhs, time_limit, gap, verbose, minimize_budget=False) -> RawRe
         if minimize_budget:
             lhs = lhs + a_budget[rows] * budget
         model += (lhs == CyLPArray(rhs[rows])) if sense == "==" else (lhs <= CyLPArray(rhs[rows]))
-    model += 0 <= x <= 1
+    low, high = np.zeros(f.n_bool), np.ones(f.n_bool)
+    if pins is not None:
+        low[pins[0]] = high[pins[0]] = pins[1]
+    model += CyLPArray(low) <= x <= CyLPArray(high)
     model.objective = objective
     clp = CyClpSimplex(model)
     clp.logLevel = 0
