@@ -97,6 +97,11 @@ class ScheduleWrapper(nn.Module):
         self._diff_index = graph.diff_outputs
         self._gammas = _output_activated_gammas(self._schedule)
 
+    @property
+    def graph(self):
+        """The graph the schedule runs on (captured, the solution's variants rewritten in)."""
+        return self._graph
+
     def _check_gammas(self, params: list[torch.Tensor]) -> None:
         """Output-activated BatchNorm divides by gamma; refuse the step before it runs
         if training has driven a gamma to zero (the kernel would refuse mid-backward)."""

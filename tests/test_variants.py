@@ -19,6 +19,7 @@ from monet_like.schedule import finalize
 from monet_like.solver import min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
 from monet_like.variants import REGISTRY, apply, describe, parse_mode
+from monet_like.variants.conv import eager_with_algorithms
 
 FULL = "inplace_conv_multiway_newnode"
 
@@ -102,45 +103,6 @@ MODELS = [
 ]
 
 
-class _ConvWith(torch.autograd.Function):
-    """A convolution by named algorithms, in eager autograd."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, geometry, algorithms):
-        ctx.save_for_backward(x, weight)
-        ctx.geometry, ctx.algorithms, ctx.has_bias = geometry, algorithms, bias is not None
-        return torch.ops.monet_like.conv2d_algo(x, weight, bias, *geometry, algorithms[0])
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias]
-        _, data, weight_algo = ctx.algorithms
-        grads = torch.ops.monet_like.conv2d_backward_algo(
-            dy, x, weight, *ctx.geometry, mask, data, weight_algo
-        )
-        return *grads, None, None
-
-
-def same_kernels(model, graph, algorithms: dict[str, list[int]]):
-    """A copy of `model` whose convolutions run the algorithms a solution chose: eager
-    PyTorch doing the same arithmetic as the replay. (Another algorithm sums in another
-    order; a deep network can amplify that 1e-7 per op into 1e-3 in its gradients, when
-    a value near a ReLU's threshold or a max-pool tie flips.)"""
-    copied = copy.deepcopy(model)
-    module_of = {n.name: n.module for n in graph.nodes}
-    for site in graph.sites:
-        chosen = algorithms.get(site["id"])
-        if chosen is None:
-            continue
-        conv = copied.get_submodule(module_of[site["forward"][0]])
-        geometry = (list(conv.stride), list(conv.padding), list(conv.dilation), conv.groups)
-        conv.forward = lambda x, c=conv, g=geometry, a=chosen: _ConvWith.apply(
-            x, c.weight, c.bias, g, a
-        )
-    return copied
-
-
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach(), b.detach()
     return float((a - b).norm() / a.norm().clamp_min(1e-30))
@@ -163,7 +125,7 @@ def test_full_mode_replay_matches_eager(expression, shape, batch, tmp_path):
 
         eager, replayed, wrapped, x, out_e, out_r = eager_and_replayed(model, path, shape, batch)
         if sol.algorithms:  # the reference runs the convolution algorithms the replay runs
-            eager = same_kernels(model, graph, sol.algorithms)
+            eager = eager_with_algorithms(model, graph, sol.algorithms)
             torch.manual_seed(1)
             out_e = eager(x)
             default_loss(out_e).backward()
@@ -312,7 +274,7 @@ def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_p
     backward = next(s["backward"] for s in graph.sites if s["id"] == site)
     assert ran[backward][1:] == [data, weight]
     # Eager PyTorch running the same convolution algorithms: bitwise the same step.
-    same = same_kernels(model, graph, sol.algorithms)
+    same = eager_with_algorithms(model, graph, sol.algorithms)
     torch.manual_seed(1)
     out_s = same(x)
     default_loss(out_s).backward()
@@ -322,7 +284,7 @@ def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_p
     for b1, b2 in zip(same.buffers(), replayed.buffers(), strict=True):
         assert torch.equal(b1, b2)
     # Against eager PyTorch's own algorithms: the output within rounding (the gradients
-    # can move further, see same_kernels).
+    # can move further, see monet_like.variants.conv.eager_with_algorithms).
     assert _relative(out_e, out_r) <= 1e-5
     replayed.zero_grad(set_to_none=True)
     allocator = measure_allocator(

@@ -95,3 +95,51 @@ register(
         rewrite=_conv_algorithm,
     )
 )
+
+
+class _ConvWithAlgorithms(torch.autograd.Function):
+    """A convolution by named algorithms (forward, backward-data, backward-weight), in
+    eager autograd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, geometry, algorithms):
+        ctx.save_for_backward(x, weight)
+        ctx.geometry, ctx.algorithms, ctx.has_bias = geometry, algorithms, bias is not None
+        return torch.ops.monet_like.conv2d_algo(x, weight, bias, *geometry, algorithms[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias]
+        _, data, weight_algo = ctx.algorithms
+        grads = torch.ops.monet_like.conv2d_backward_algo(
+            dy, x, weight, *ctx.geometry, mask, data, weight_algo
+        )
+        return *grads, None, None
+
+
+def eager_with_algorithms(
+    model: torch.nn.Module, graph: Graph, algorithms: dict[str, list[int]]
+) -> torch.nn.Module:
+    """A copy of `model` whose convolutions run the algorithms a solution chose: eager
+    PyTorch doing the replay's arithmetic, to check a replay's exactness against.
+    (Another algorithm sums in another order; a deep network can amplify that 1e-7 per
+    op into 1e-3 and more in its gradients, when a value near a ReLU's threshold or a
+    max-pool tie flips.)"""
+    import copy
+
+    from monet_like import kernels
+
+    kernels.load()
+    copied = copy.deepcopy(model)
+    module_of = {n.name: n.module for n in graph.nodes}
+    for site in graph.sites:
+        chosen = algorithms.get(site["id"])
+        if chosen is None:
+            continue
+        conv = copied.get_submodule(module_of[site["forward"][0]])
+        geometry = (list(conv.stride), list(conv.padding), list(conv.dilation), conv.groups)
+        conv.forward = lambda x, c=conv, g=geometry, a=chosen: _ConvWithAlgorithms.apply(
+            x, c.weight, c.bias, g, a
+        )
+    return copied
