@@ -414,28 +414,31 @@ def build_check_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _differences(eager, wrapped, replayed, x, input_grad: bool) -> dict[str, float]:
-    """One training step's largest differences between `eager` and `wrapped` (which runs
-    `replayed`'s parameters): outputs, parameter gradients (absolute, and relative to
-    each gradient's largest magnitude), and the input's gradient when it has one."""
+def _step(net, params_of: torch.nn.Module, x, input_grad: bool):
+    """One training step of `net` from fresh gradients (on `params_of`'s parameters)
+    and seed 1: its flattened outputs and the input's gradient (None without one)."""
     from torch.utils._pytree import tree_flatten
 
     from monet_like.graph import default_loss
 
-    eager.zero_grad(set_to_none=True)
-    replayed.zero_grad(set_to_none=True)
-    outs, inputs = [], []
-    for net in (eager, wrapped):
-        torch.manual_seed(1)
-        inputs.append(x.detach().clone().requires_grad_(input_grad))
-        out = net(inputs[-1])
-        default_loss(out).backward()
-        outs.append(tree_flatten(out)[0])
+    params_of.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    inputs = x.detach().clone().requires_grad_(input_grad)
+    out = net(inputs)
+    default_loss(out).backward()
+    return tree_flatten(out)[0], inputs.grad
+
+
+def _differences(eager, eager_step, replayed, replay_step) -> dict[str, float]:
+    """The largest differences between two steps (`_step`'s results) of models whose
+    parameters are `eager`'s and `replayed`'s: outputs, parameter gradients (absolute,
+    and relative to each gradient's largest magnitude), the input's gradient if any."""
+    (outs, in_grad), (replay_outs, replay_in_grad) = eager_step, replay_step
     diffs = {"max_abs_output_diff": 0.0, "max_abs_grad_diff": 0.0, "max_rel_grad_diff": 0.0}
-    for a, b in zip(*outs, strict=True):
+    for a, b in zip(outs, replay_outs, strict=True):
         diffs["max_abs_output_diff"] = max(diffs["max_abs_output_diff"], (a - b).abs().max().item())
-    if input_grad:
-        diffs["max_abs_input_grad_diff"] = (inputs[0].grad - inputs[1].grad).abs().max().item()
+    if in_grad is not None:
+        diffs["max_abs_input_grad_diff"] = (in_grad - replay_in_grad).abs().max().item()
     for p, q in zip(eager.parameters(), replayed.parameters(), strict=True):
         if p.grad is None or q.grad is None:
             continue
@@ -500,8 +503,10 @@ def cmd_check(args) -> dict:
             same = eager_with_algorithms(model, wrapped.graph, sol.algorithms)
             label = "eager PyTorch with the same convolution algorithms"
             references.append((label, "_same_kernels", same))
+        replay_step = _step(wrapped_copy, replayed, x, sol.input_grad)  # once for both
         for label, suffix, eager in references:
-            diffs = _differences(eager, wrapped_copy, replayed, x, sol.input_grad)
+            eager_step = _step(eager, eager, x, sol.input_grad)
+            diffs = _differences(eager, eager_step, replayed, replay_step)
             report.update({f"{key}{suffix}": value for key, value in diffs.items()})
             if "max_abs_input_grad_diff" in diffs:
                 print(
