@@ -452,6 +452,16 @@ def _finish(f, x_val, status, bound, gap_value, gap, solver, minimize_budget) ->
     return RawResult(final, x_val, objective, bound, gap_value, 0.0, solver)
 
 
+def _binary_bounds(n_bool: int, fixed=None, pins=None) -> tuple[np.ndarray, np.ndarray]:
+    """Lower and upper bounds of the binary columns: 0 and 1, or `fixed` (all pinned);
+    `pins` = (columns, values) pins some of them."""
+    low = np.zeros(n_bool) if fixed is None else np.array(fixed, dtype=float)
+    high = np.ones(n_bool) if fixed is None else low.copy()
+    if pins is not None:
+        low[pins[0]] = high[pins[0]] = pins[1]
+    return low, high
+
+
 def _highs_model(f: Formulation, rhs: np.ndarray, minimize_budget: bool, fixed=None, pins=None):
     """A highspy model of the formulation; `fixed` pins the binary columns (an LP),
     `pins` = (columns, values) some of them."""
@@ -470,10 +480,7 @@ def _highs_model(f: Formulation, rhs: np.ndarray, minimize_budget: bool, fixed=N
         a = sp.hstack([a, sp.csc_matrix(on_budget[:, None])], format="csc")
         cost = np.concatenate([1e-6 * cost, [1.0]])  # smallest memory, then least recompute
     inf = highspy.kHighsInf
-    low_b = np.zeros(n_b) if fixed is None else np.asarray(fixed, dtype=float)
-    high_b = np.ones(n_b) if fixed is None else np.asarray(fixed, dtype=float)
-    if pins is not None:
-        low_b[pins[0]] = high_b[pins[0]] = pins[1]
+    low_b, high_b = _binary_bounds(n_b, fixed, pins)
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = n_cols, f.n_rows
     lp.col_cost_ = cost
@@ -601,9 +608,7 @@ def _solve_cbc(f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=Non
         if minimize_budget:
             lhs = lhs + a_budget[rows] * budget
         model += (lhs == CyLPArray(rhs[rows])) if sense == "==" else (lhs <= CyLPArray(rhs[rows]))
-    low, high = np.zeros(f.n_bool), np.ones(f.n_bool)
-    if pins is not None:
-        low[pins[0]] = high[pins[0]] = pins[1]
+    low, high = _binary_bounds(f.n_bool, pins=pins)
     model += CyLPArray(low) <= x <= CyLPArray(high)
     model.objective = objective
     clp = CyClpSimplex(model)
