@@ -29,7 +29,7 @@ from monet_like.memory import measure_allocator, state_tensors
 from monet_like.models import make_input, parse_model
 from monet_like.profile import profile
 from monet_like.schedule import finalize
-from monet_like.solver import DEFAULT_DEPTH, min_feasible_budget, solve
+from monet_like.solver import DEFAULT_DEPTH, InfeasibleBudget, min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
 from monet_like.variants import apply
 from monet_like.wrapper import ScheduleWrapper
@@ -89,19 +89,24 @@ def main() -> None:
         for mode in modes:
             graph = apply(captured, mode)
             prof = reference if graph is captured else profile(model, graph, progress=False)
-            problem = build_problem(graph, prof)
-            low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+            # Fixed fractions need no smallest budget (a 300 s solve per mode): a budget
+            # below it is reported by the solve itself.
+            low = (
+                0
+                if args.fractions
+                else min_feasible_budget(build_problem(graph, prof), DEFAULT_DEPTH, False, "HIGHS")
+            )
             setups[mode] = (graph, prof, low)
         store_all = build_problem(captured, reference).store_all_peak_bytes
         x = make_input(model, shape, batch, torch.float32)
-        # The MILP's in-stage bound is conservative: at some sizes no schedule it can
-        # express beats store-all, and store-all is then the only point.
-        low = min(low for _, _, low in setups.values())
-        points = args.points if low < store_all else 1
-        low = min(low, store_all)
         if args.fractions:
             budgets = [int(float(f) * store_all) for f in args.fractions.split(",")]
         else:
+            # The MILP's in-stage bound is conservative: at some sizes no schedule it can
+            # express beats store-all, and store-all is then the only point.
+            low = min(low for _, _, low in setups.values())
+            points = args.points if low < store_all else 1
+            low = min(low, store_all)
             budgets = [
                 int(low + (1 - k / max(1, points - 1)) * (store_all - low)) for k in range(points)
             ]
@@ -111,7 +116,11 @@ def main() -> None:
                 print(f"{name:12s} {mode:>24s} {budget / MIB:9.1f}  below this mode's smallest")
                 continue
             baseline = (captured, reference) if graph.variants else None
-            sol = solve(graph, prof, budget, mode=mode, time_limit=300, baseline=baseline)
+            try:
+                sol = solve(graph, prof, budget, mode=mode, time_limit=300, baseline=baseline)
+            except InfeasibleBudget as exc:
+                print(f"{name:12s} {mode:>24s} {budget / MIB:9.1f}  infeasible: {exc}")
+                continue
             ran, ran_prof = (graph, prof) if sol.variants or not baseline else baseline
             finalize(ran, sol, ran_prof)
             path = sol.save(os.path.join(args.out, f"bench_schedule_{name}_{mode}_{k}.json"))
