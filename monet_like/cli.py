@@ -318,7 +318,7 @@ def cmd_solve(args) -> dict:
     print(
         f"  status {sol.status}; {sum(sol.keep)} of {len(sol.keep)} units kept,"
         f" {recomputed} recomputations"
-        + (f"; {len(sol.variants_off)} variant sites turned off" if sol.variants_off else "")
+        + (f"; variant sites turned off: {len(sol.variants_off)}" if sol.variants_off else "")
         + (_algorithms(sol.algorithms) if sol.algorithms else "")
         + "\n"
         f"  predicted peak {sol.predicted_peak_bytes / GIB:.3f} GB (budget {args.budget_gb:g} GB,"
