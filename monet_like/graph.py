@@ -323,12 +323,15 @@ def _record_module_paths(model: nn.Module) -> list:
 
 
 def tangents_for(graph: Graph, device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """The incoming gradients a sum loss gives each differentiable output: a scalar one
-    expanded to its shape (what the capture traced with). Under a FakeTensorMode,
-    fake ones."""
+    """The incoming gradients a sum loss gives each differentiable output: one scalar one
+    (per dtype) expanded to each output's shape, as autograd hands them out. Under a
+    FakeTensorMode, fake ones."""
     placeholders = [n for n in graph.fx.graph.nodes if n.op == "placeholder"]
     metas = [p.meta["val"] for p in placeholders[len(placeholders) - len(graph.diff_outputs) :]]
-    return [torch.ones((), dtype=m.dtype, device=device).expand(m.shape) for m in metas]
+    ones: dict[torch.dtype, torch.Tensor] = {}
+    for m in metas:
+        ones.setdefault(m.dtype, torch.ones((), dtype=m.dtype, device=device))
+    return [ones[m.dtype].expand(m.shape) for m in metas]
 
 
 def fake_like(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -443,6 +446,12 @@ def derive(
     for ph, (kind, name) in zip(phs, placeholders, strict=True):
         for t in _tensors(ph.meta.get("val")):
             storage_of(t, kind, name)
+    # An eager step holds the sum loss and the one scalar its backward starts from, which
+    # every output's incoming gradient is a view of: two scalars however many outputs
+    # there are. The first tangent's storage stands for both, the others for nothing.
+    seeds = [s for s in storages if s.kind == SEED]
+    for k, seed in enumerate(seeds):
+        storages[seed.id] = Storage(seed.id, 2 * seed.nbytes if k == 0 else 0, SEED, seed.name)
 
     values: dict[str, tuple[int, ...]] = {  # fx value name -> its storages
         ph.name: tuple(

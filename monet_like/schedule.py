@@ -303,10 +303,13 @@ def simulate(graph: Graph, schedule: Schedule, workspace: dict[int, int] | None 
     with fake_mode:
         values = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype) for m in metas]
         tangents = tangents_for(graph)
+        # the user's loss, a scalar alive through the backward pass (counted throughout,
+        # as the memory model does)
+        loss = [torch.empty((), dtype=tangents[0].dtype)] if tangents else []
     p, b = schedule.n_params, schedule.n_buffers
     params, buffers, x = values[:p], values[p : p + b], values[p + b]
     executor = Executor(graph, schedule)
-    tracker = LiveStorageTracker([*params, *buffers, x, *tangents])
+    tracker = LiveStorageTracker([*params, *buffers, x, *tangents, *loss])
     peak = tracker.current
 
     def on_step(k: int) -> None:
