@@ -38,12 +38,14 @@ def test_predicted_store_all_peak_matches_measured_eager_step(expression, shape,
     predicted = store_all_peak(graph)
     measured = measure_training_step(model, make_input(model, shape, batch, torch.float32))
     assert measured.baseline_bytes == graph.param_bytes + graph.buffer_bytes + graph.input_bytes
-    assert abs(predicted - measured.peak_bytes) <= 0.03 * measured.peak_bytes, (
+    # Exact, except where the peak falls in the forward pass: the model counts the loss
+    # and its gradient (two scalars) from the start of the step.
+    assert measured.peak_bytes <= predicted <= measured.peak_bytes + 8, (
         predicted,
         measured.peak_bytes,
     )
     simulated = simulate(model, shape, batch)
-    assert abs(simulated.peak_bytes - predicted) <= 0.01 * predicted
+    assert simulated.peak_bytes <= predicted <= simulated.peak_bytes + 8
 
 
 def test_resnet50_at_batch_184_is_close_to_monets_measured_pytorch_peak():
@@ -107,10 +109,12 @@ def test_prediction_with_profiled_workspace_matches_the_cpu_allocator(expression
     torch.manual_seed(0)
     model = parse_model(expression).build("cpu")
     graph = capture(model, shape, batch)
-    prof = profile(model, graph, profile_batch=batch, repeats=1, progress=False)
+    # Profiled at half the batch: workspace is still measured at the solved batch.
+    prof = profile(model, graph, profile_batch=batch // 2, repeats=1, progress=False)
+    assert prof.workspace_method.endswith(f"at batch {batch}")
     predicted = store_all_timeline(graph, prof.workspace_by_op()).peak_bytes
     x = make_input(model, shape, batch, torch.float32)
     model.zero_grad(set_to_none=True)
     allocator = measure_allocator(lambda: training_step(model, x), [*state_tensors(model), x])
-    assert abs(predicted - allocator) <= 0.03 * allocator, (predicted, allocator)
+    assert allocator <= predicted <= allocator + 8, (predicted, allocator)  # see above
     assert allocator >= store_all_peak(graph)  # the allocator sees at least the storages

@@ -73,16 +73,20 @@ def test_profile_refuses_meta_model():
         profile(model, graph, progress=False)
 
 
-@pytest.mark.parametrize("timing_flops", [1e9, 1])
-def test_convolution_algorithms_workspace_at_the_solved_batch(monkeypatch, timing_flops):
+@pytest.mark.parametrize("timing_flops, workspace_flops", [(1e9, 1e10), (1, 1e10), (1, 1)])
+def test_convolution_algorithms_workspace_at_the_solved_batch(
+    monkeypatch, timing_flops, workspace_flops
+):
     """conv mode: each algorithm's workspace is reported at the solved batch, whether its
-    layer was timed there (small layers) or at the profile batch and fitted
-    (ALGORITHM_TIMING_FLOPS forced down). im2col's workspace is known exactly: the
-    whole batch's columns, C*kh*kw x Ho*Wo floats per sample."""
+    layer was timed there (small layers), or timed at the profile batch with workspace
+    measured at the solved one, or both fitted from smaller batches (the FLOP limits
+    forced down). im2col's workspace is known exactly: the whole batch's columns,
+    C*kh*kw x Ho*Wo floats per sample."""
     from monet_like import profile as profile_module
     from monet_like.variants import apply
 
     monkeypatch.setattr(profile_module, "ALGORITHM_TIMING_FLOPS", timing_flops)
+    monkeypatch.setattr(profile_module, "ALGORITHM_WORKSPACE_FLOPS", workspace_flops)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
     graph = apply(capture(model, (3, 16, 16), 8), "conv")
     p = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
