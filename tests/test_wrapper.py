@@ -124,7 +124,8 @@ def test_replay_equals_eager_and_fits_the_prediction(expression, shape, batch, d
             lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(replayed), x]
         )
         assert live <= sol.predicted_peak_bytes * 1.02 and live <= budget
-        assert allocator <= sol.predicted_peak_bytes * 1.02
+        # The allocator sees kernels' scratch too: still inside the budget.
+        assert allocator <= sol.predicted_peak_bytes * 1.02 and allocator <= budget
         assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
     if "mobilenet_v2" in expression:  # its 50% budget ran as itself, not as the smallest
         assert int(0.5 * sol.store_all_peak_bytes) in tested
