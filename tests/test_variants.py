@@ -2,6 +2,10 @@
 schedule in a variant mode trains like eager PyTorch, inside its predicted memory."""
 
 import copy
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -20,6 +24,8 @@ from monet_like.solver import min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
 from monet_like.variants import REGISTRY, apply, describe, parse_mode
 from monet_like.variants.conv import eager_with_algorithms
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FULL = "inplace_conv_multiway_newnode"
 
@@ -291,3 +297,15 @@ def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_p
         lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(replayed), x]
     )
     assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
+    # schedule.py --check_diff reports the replay against both references: against
+    # eager PyTorch running the same kernels, it is exact.
+    check = subprocess.run(
+        [sys.executable, "schedule.py", expression, str(batch), f"{budget / 2**30:.6f}", "conv",
+         "HIGHS", "--solution_file", str(path), "--input_shape", "3,64,64", "--check_diff",
+         "--json"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stderr
+    report = json.loads(check.stdout.strip().splitlines()[-1])
+    assert report["max_abs_output_diff_same_kernels"] == 0.0
+    assert report["max_abs_grad_diff_same_kernels"] == 0.0
