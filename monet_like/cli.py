@@ -317,7 +317,7 @@ def cmd_solve(args) -> dict:
     recomputed = sum(len(s["recompute"]) for s in sol.stages)
     print(
         f"  status {sol.status}; {sum(sol.keep)} of {len(sol.keep)} units kept,"
-        f" {recomputed} recomputations"
+        f" {recomputed} recomputation{'' if recomputed == 1 else 's'}"
         + (f"; variant sites turned off: {len(sol.variants_off)}" if sol.variants_off else "")
         + (_algorithms(sol.algorithms) if sol.algorithms else "")
         + "\n"
