@@ -13,8 +13,9 @@ a + b * batch (per-op overhead does not grow with the batch), and the profile sa
 (`scaled`, `profile_batch`). Where no second batch fits (the batch is 1 or 2), times
 scale linearly. Workspace is not linear in the batch (a library picks its blocking by
 shape), so on CPU it is measured in one run at the solved batch when that run fits in
-half the available memory; otherwise it is fitted like the times. Convolution algorithms (conv
-mode) are timed apart, at or near the solved batch: see `_algorithm_options`.
+half the available memory; otherwise it is fitted like the times. Convolution
+algorithms (conv mode) are timed apart, at or near the solved batch: see
+`_algorithm_options`.
 Profiles are cached on disk as JSON, keyed by graph fingerprint, profile batch,
 dtype, device and torch version.
 """
