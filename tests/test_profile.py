@@ -57,6 +57,25 @@ def test_profile_at_smaller_batch_scales_and_says_so():
     assert [n.output_bytes for n in p.nodes] == [n.output_bytes for n in graph.nodes]
 
 
+@pytest.mark.parametrize("fits", [True, False])
+def test_scaled_profile_measures_workspace_at_the_solved_batch_when_it_fits(monkeypatch, fits):
+    """Workspace is not linear in the batch: measured at the solved batch when that run
+    fits in memory (then equal to a profile taken there), else fitted from two batches."""
+    from monet_like import profile as profile_module
+
+    monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: fits)
+    model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 1))
+    graph = capture(model, (16, 32, 32), 8)
+    scaled = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
+    if fits:
+        assert scaled.workspace_method.endswith("at batch 8")
+        direct = profile(model, graph, profile_batch=8, repeats=1, use_cache=False, progress=False)
+        assert not direct.scaled and scaled.op_workspace == direct.op_workspace
+    else:
+        assert scaled.workspace_method.endswith("fitted a + b*batch from batches 2 and 4")
+    assert scaled.nodes[0].workspace_bytes > 0
+
+
 def test_conv_workspace_is_measured_on_cpu():
     """mkldnn convolution allocates scratch on CPU: the profiler must see it."""
     model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1))
