@@ -2,15 +2,14 @@
 schedule in a variant mode trains like eager PyTorch, inside its predicted memory."""
 
 import copy
-import json
-import os
 import subprocess
 import sys
 from collections import Counter
 
 import pytest
 import torch
-from test_wrapper import eager_and_replayed  # tests/ is on the path under pytest
+from test_solve_cli import ROOT, last_json  # tests/ is on the path under pytest
+from test_wrapper import eager_and_replayed
 from torch.utils._pytree import tree_flatten
 
 from monet_like import ScheduleWrapper
@@ -24,8 +23,6 @@ from monet_like.solver import min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
 from monet_like.variants import REGISTRY, apply, describe, parse_mode
 from monet_like.variants.conv import eager_with_algorithms
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FULL = "inplace_conv_multiway_newnode"
 
@@ -306,6 +303,6 @@ def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_p
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )  # fmt: skip
     assert check.returncode == 0, check.stderr
-    report = json.loads(check.stdout.strip().splitlines()[-1])
+    report = last_json(check)
     assert report["max_abs_output_diff_same_kernels"] == 0.0
     assert report["max_abs_grad_diff_same_kernels"] == 0.0
