@@ -55,11 +55,10 @@ def brute_force(f, budget_bytes):
     ab, ac = f.a_bool.toarray(), f.a_cont.toarray()
     eq, le = f.is_eq, ~f.is_eq
     xs = np.array(list(itertools.product([0, 1], repeat=f.n_bool)), dtype=float).T
-    # The running sums y, z are fixed by the equalities; w (recompute workspace) is only
-    # bounded below, by zero here since toy units have no workspace.
-    n_sums = int(eq.sum())
-    sums = np.linalg.solve(ac[eq][:, :n_sums], rhs[eq][:, None] - ab[eq] @ xs)
-    ys = np.vstack([sums, np.zeros((f.n_cont - n_sums, xs.shape[1]))])
+    # Every continuous column is a running sum, fixed by its own equality row.
+    defining = eq & np.any(ac != 0, axis=1)
+    assert defining.sum() == f.n_cont
+    ys = np.linalg.solve(ac[defining], rhs[defining][:, None] - ab[defining] @ xs)
     ok = np.all(ab[le] @ xs + ac[le] @ ys <= rhs[le][:, None] + 1e-9, axis=0)
     if not ok.any():
         return None
@@ -145,12 +144,16 @@ SMALL_GRAPHS = [
 
 
 @pytest.mark.parametrize("expression, shape, batch", SMALL_GRAPHS)
-def test_compact_formulation_is_within_two_percent_of_full(expression, shape, batch):
+def test_store_all_is_exact_and_compact_is_within_two_percent_of_full(expression, shape, batch):
     torch.manual_seed(0)
     model = parse_model(expression).build()
     graph = capture(model, shape, batch)
     prof = profile(model, graph, repeats=1, progress=False)
     problem = build_problem(graph, prof)
+    # Without recomputation the model's bytes are exactly the store-all step's: a saved
+    # value counts until its last reader inside a stage, not to the stage's end.
+    no_recompute = min_feasible_budget(problem, DEFAULT_DEPTH, True, "HIGHS")
+    assert no_recompute == problem.store_all_peak_bytes
     # The compact formulation's smallest budget (a third of the full one's solve time
     # here) is feasible for the full one too, which contains it.
     low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +57,29 @@ def candidates(problem: Problem, depth: int | None) -> list[list[int]]:
                     frontier.append((v, d + 1))
         result.append(sorted(seen))
     return result
+
+
+def _recompute_order(problem: Problem, cand, r_index, rec_alg, algorithm_of):
+    """Per stage: the recomputable candidates in the order their ops run (by first
+    node); for each, the last position among them that has begun by the time its own
+    last node runs (-1 where it needs no row of its own: no workspace); and the
+    positions where the running sum of recomputed bytes is read."""
+    units = problem.units
+    order, prefix_end, breaks = [], [], []
+    for t, c in enumerate(cand):
+        o = sorted((u for u in c if (t, u) in r_index), key=lambda u: (min(units[u].nodes), u))
+        firsts = [min(units[u].nodes) for u in o]
+        ends = []
+        for u in o:
+            algorithm = problem.algorithms[algorithm_of[u]] if (t, u) in rec_alg else None
+            has_ws = units[u].workspace_bytes > 0 or (
+                algorithm is not None and any(opt[2] for opt in algorithm.forward)
+            )
+            ends.append(bisect_right(firsts, max(units[u].nodes)) - 1 if has_ws else -1)
+        order.append(o)
+        prefix_end.append(ends)
+        breaks.append(sorted({e for e in ends if e >= 0} | ({len(o) - 1} if o else set())))
+    return order, prefix_end, breaks
 
 
 def _choice_needs(problem: Problem) -> list[set[int]]:
@@ -158,9 +182,16 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
             col += n_opts
     n_bool = col
     # continuous: y_k (forward kept bytes of units already consumed), z_t (kept, pinned),
-    # w_t (largest workspace among the units recomputed before stage t)
-    y0, z0, w0 = 0, n_u, n_u + n_t
+    # b_t (what stage t starts with: z_t plus the candidates carried into it), and q
+    # (bytes recomputed so far in a stage, a running sum at the points a row reads it)
+    order, prefix_end, breaks = _recompute_order(problem, cand, r_index, rec_alg, algorithm_of)
+    y0, z0, b0 = 0, n_u, n_u + n_t
+    q_col: dict[tuple[int, int], int] = {}  # (stage, position in its order) -> column
     n_cont = n_u + 2 * n_t
+    for t in range(n_t):
+        for pos in breaks[t]:
+            q_col[t, pos] = n_cont
+            n_cont += 1
 
     rows_b: list[tuple[int, int, float]] = []
     rows_c: list[tuple[int, int, float]] = []
@@ -233,33 +264,65 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         return terms
 
     side = [u.side_bytes / MIB for u in units]
+    choice_needs = _choice_needs(problem)
+
+    def backward_terms(t, read):
+        """m_u (Q[t,u] - keep_u) for the candidates of stage t, at a backward op that
+        (or whose successors in the stage) reads `read`; plus recomputed side outputs."""
+        terms = []
+        for u in cand[t]:
+            if (t, u) in r_index:
+                terms.append((r_index[t, u], side[u]))
+            if u in read:  # present
+                terms += [(s_index[t, u], m[u]), (keep[u], -m[u])]
+                if (t, u) in r_index:
+                    terms.append((r_index[t, u], m[u]))
+            elif t + 1 < n_t and u in cand_sets[t + 1]:  # carried on
+                terms += [(s_index[t + 1, u], m[u]), (keep[u], -m[u])]
+            elif last_use[u] == t:  # no later stage can read it: dead
+                terms.append((keep[u], -m[u]))
+        return terms
+
     for t, stage in enumerate(stages):
         c = cand[t]
-        # memory: z_t + sum_{u in C(t)} m_u (P[t,u] - keep_u) + grad bytes + constants <= B
-        # (a recomputation also rewrites the unit's side outputs: counted with it)
-        terms = []
+        needed = set(stage.need) | choice_needs[t]
+        # b_t: what the stage starts with, z_t plus the candidates carried into it
+        start_terms = []
         for u in c:
-            terms.append((s_index[t, u], m[u]))
-            if (t, u) in r_index:
-                terms.append((r_index[t, u], m[u] + side[u]))
-            terms.append((keep[u], -m[u]))
-        row(terms, [(z0 + t, 1.0)], 0.0, budget_const_mib=const + stage.grad_bytes / MIB)
-        # ... and while recomputing before the stage: what the stage starts with, plus
-        # the workspace of the unit being recomputed (w_t bounds it).
-        row(
-            terms,
-            [(z0 + t, 1.0), (w0 + t, 1.0)],
-            0.0,
-            budget_const_mib=const + stage.start_bytes / MIB,
-        )
-        for u in c:
-            if (t, u) in r_index and units[u].workspace_bytes:
-                row([(r_index[t, u], units[u].workspace_bytes / MIB)], [(w0 + t, -1.0)], 0.0)
+            start_terms += [(s_index[t, u], -m[u]), (keep[u], m[u])]
+        row(start_terms, [(b0 + t, 1.0), (z0 + t, -1.0)], 0.0, eq=True)
+        # Recomputation runs in forward order; while unit u runs, the stage holds what it
+        # started with, the units recomputed so far (q: those that began before u ends),
+        # and u's workspace. A recomputation also rewrites the unit's side outputs.
+        pos_prev, q_prev = -1, None
+        for pos in breaks[t]:
+            seg = [(r_index[t, u], -(m[u] + side[u])) for u in order[t][pos_prev + 1 : pos + 1]]
+            cont = [(q_col[t, pos], 1.0)] + ([(q_prev, -1.0)] if q_prev is not None else [])
+            row(seg, cont, 0.0, eq=True)
+            pos_prev, q_prev = pos, q_col[t, pos]
+        at_start = const + stage.start_bytes / MIB
+        end = [(q_prev, 1.0)] if q_prev is not None else []
+        row([], [(b0 + t, 1.0)] + end, 0.0, budget_const_mib=at_start)  # all recomputed
+        for i, u in enumerate(order[t]):
+            if prefix_end[t][i] < 0:
+                continue  # no workspace: the row after the last recomputation covers it
+            q_here = [(q_col[t, prefix_end[t][i]], 1.0), (b0 + t, 1.0)]
+            if units[u].workspace_bytes:
+                ws = units[u].workspace_bytes / MIB
+                row([(r_index[t, u], ws)], q_here, 0.0, budget_const_mib=at_start)
             if (t, u) in rec_alg:  # the convolution's workspace, by the option it runs
                 options = problem.algorithms[algorithm_of[u]].forward
-                for j, o in zip(rec_alg[t, u], options, strict=True):
-                    if o[2]:
-                        row([(j, o[2] / MIB)], [(w0 + t, -1.0)], 0.0)
+                ws_terms = [(j, o[2] / MIB) for j, o in zip(rec_alg[t, u], options, strict=True)]
+                if any(a for _, a in ws_terms):
+                    row(ws_terms, q_here, 0.0, budget_const_mib=at_start)
+        # At the stage's backward ops: kept units (z_t), the units read from this op on,
+        # and those carried on to the next stage or possibly read later. A unit
+        # recomputed only as the input of another was freed after its last reader, before
+        # the backward ops; a saved value, after its last reader in the stage.
+        for at_op, reads in stage.by_op or ((stage.grad_bytes, stage.need),):
+            op_terms = backward_terms(t, set(reads) | choice_needs[t])
+            row(op_terms, [(z0 + t, 1.0)], 0.0, budget_const_mib=const + at_op / MIB)
+        terms = backward_terms(t, needed)  # all the stage reads: its first op on
         for k, a in enumerate(problem.algorithms):  # a convolution's backward in this stage
             if a.stage == t and a.backward:
                 ws = [(j, o[2] / MIB) for j, o in zip(bwd_cols[k], a.backward, strict=True)]
@@ -736,21 +799,40 @@ class _StageColumns:
     units: np.ndarray
     s_cols: np.ndarray
     r_cols: np.ndarray  # -1 where the unit cannot be recomputed
-    workspace: np.ndarray  # bytes, per candidate
+    next_s_cols: np.ndarray  # S of the next stage, -1 where it is no candidate there
+    dead: np.ndarray  # no later stage can read it
+    needed: np.ndarray  # read by the stage's backward ops (or by one of its choices)
+    by_op: list[tuple[int, np.ndarray]]  # (backward-only bytes, read from there on)
+    order: np.ndarray  # positions (in `units`) of the recomputable ones, in run order
+    prefix_end: np.ndarray  # per entry of `order`: what has begun when it ends (-1: no row)
 
 
 def _stage_columns(f: Formulation) -> list[_StageColumns]:
     if f.columns is not None:
         return f.columns
-    units = f.problem.units
+    p = f.problem
+    order, prefix_end, _ = _recompute_order(p, f.cand, f.r_index, f.rec_alg, f.algorithm_of)
+    choice_needs = _choice_needs(p)
     columns = []
     for t, c in enumerate(f.cand):
+        stage = p.stages[t]
+        needed = set(stage.need) | choice_needs[t]
+        position = {u: i for i, u in enumerate(c)}
+        runs = stage.by_op or ((stage.grad_bytes, stage.need),)
         columns.append(
             _StageColumns(
                 units=np.array(c, dtype=int),
                 s_cols=np.array([f.s_index[t, u] for u in c], dtype=int),
                 r_cols=np.array([f.r_index.get((t, u), -1) for u in c], dtype=int),
-                workspace=np.array([units[u].workspace_bytes for u in c], dtype=np.int64),
+                next_s_cols=np.array([f.s_index.get((t + 1, u), -1) for u in c], dtype=int),
+                dead=np.array([f.last_use[u] == t for u in c], dtype=bool),
+                needed=np.array([u in needed for u in c], dtype=bool),
+                by_op=[
+                    (at_op, np.array([u in choice_needs[t] or u in reads for u in c]))
+                    for at_op, reads in runs
+                ],
+                order=np.array([position[u] for u in order[t]], dtype=int),
+                prefix_end=np.array(prefix_end[t], dtype=int),
             )
         )
     f.columns = columns
@@ -764,6 +846,7 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
     n_u = len(units)
     m = np.array([u.bytes for u in units], dtype=np.int64)
     side = np.array([u.side_bytes for u in units], dtype=np.int64)
+    unit_ws = np.array([u.workspace_bytes for u in units], dtype=np.int64)
     keep = np.asarray(x_bool)[f.keep].astype(bool)
     last_fwd = np.array([u.last_forward_use for u in units], dtype=int)
     # forward unit k: units produced by k and still to be read in the forward pass, plus
@@ -795,26 +878,37 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
         last_use[in_backward], weights=(m * keep)[in_backward], minlength=len(p.stages)
     )
     z = np.cumsum(kept_until[::-1])[::-1]
-    rec_ws: dict[int, int] = {}  # stage -> largest workspace of a convolution recomputed
+    rec_ws: dict[tuple[int, int], int] = {}  # (stage, unit) -> workspace of the option run
     for t, u in f.rec_alg:
-        if x[f.r_index[t, u]]:
-            k = f.algorithm_of[u]
-            rec_ws[t] = max(rec_ws.get(t, 0), p.algorithms[k].forward[chosen[k][0]][2])
+        k = f.algorithm_of[u]
+        rec_ws[t, u] = p.algorithms[k].forward[chosen[k][0]][2]
     bwd_at: dict[int, int] = {}  # stage -> largest bytes at a convolution's backward
     for a, (_, i) in zip(p.algorithms, chosen, strict=True):
         if a.stage is not None and i is not None:
             bwd_at[a.stage] = max(bwd_at.get(a.stage, 0), a.backward_live + a.backward[i][2])
     for t, (stage, cols) in enumerate(zip(p.stages, _stage_columns(f), strict=True)):
+        cu = cols.units
         recomputed = np.where(cols.r_cols >= 0, x[np.maximum(cols.r_cols, 0)], 0)
-        present = x[cols.s_cols] + recomputed
-        ws = max(int(cols.workspace[recomputed > 0].max(initial=0)), rec_ws.get(t, 0))
-        live = (
-            p.constant_bytes
-            + max(stage.grad_bytes, stage.start_bytes + ws, bwd_at.get(t, 0))
-            + int(z[t])
-            + int((m[cols.units] * (present - keep[cols.units])).sum())
-            + int((side[cols.units] * recomputed).sum())
-        )
+        held = x[cols.s_cols]
+        later = np.where(cols.dead, 0, keep[cu])  # a kept unit a later stage may read
+        carried = np.where(cols.next_s_cols >= 0, x[np.maximum(cols.next_s_cols, 0)], later)
+        # recomputation, in run order, on top of what the stage starts with
+        at_start = p.constant_bytes + stage.start_bytes + int(z[t])
+        at_start += int((m[cu] * (held - keep[cu])).sum())
+        so_far = np.cumsum(((m[cu] + side[cu]) * recomputed)[cols.order])
+        live = at_start + (int(so_far[-1]) if len(so_far) else 0)
+        for i, j in enumerate(cols.order):
+            if cols.prefix_end[i] >= 0 and recomputed[j]:
+                ws = max(int(unit_ws[cu[j]]), rec_ws.get((t, int(cu[j])), 0))
+                live = max(live, at_start + int(so_far[cols.prefix_end[i]]) + ws)
+        # the backward ops: what they read from there on, what goes on to later stages
+        # (a convolution's backward: counted with all the stage reads)
+        rewritten = int(z[t]) + int((side[cu] * recomputed).sum())
+        runs = [*cols.by_op, (bwd_at.get(t, 0), cols.needed)]
+        for at_op, read in runs:
+            present = np.where(read, held + recomputed, carried)
+            at = p.constant_bytes + at_op + rewritten + int((m[cu] * (present - keep[cu])).sum())
+            live = max(live, at)
         if live > peak:
             peak, where = live, f"backward stage {t}"
     return {"peak_bytes": int(peak), "peak_at": where}

@@ -50,6 +50,9 @@ class Stage:
     need: tuple[int, ...]
     grad_bytes: int  # backward-only bytes alive at the stage's worst op, workspace included
     start_bytes: int = 0  # backward-only bytes alive when the stage starts (recomputation)
+    # Per run of the stage's ops: (the largest backward-only bytes at them, the units read
+    # by them or by the stage's later ops). Empty: one run, (grad_bytes, need).
+    by_op: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -267,6 +270,17 @@ def build_problem(
         need = sorted(
             {unit_of_storage[s] for i in current for s in ops[i].reads if s in unit_of_storage}
         )
+        # A saved value dies after its last reader inside the stage: what is read from
+        # each op on, with the largest backward-only bytes over the ops that share it.
+        by_op: list[tuple[int, tuple[int, ...]]] = []
+        read_from_here: set[int] = set()
+        for i in reversed(current):
+            read_from_here |= {unit_of_storage[s] for s in ops[i].reads if s in unit_of_storage}
+            reads = tuple(sorted(read_from_here))
+            if by_op and by_op[-1][1] == reads:
+                by_op[-1] = (max(by_op[-1][0], other_live[i]), reads)
+            else:
+                by_op.append((other_live[i], reads))
         stages.append(
             Stage(
                 id=len(stages),
@@ -275,6 +289,7 @@ def build_problem(
                 need=tuple(need),
                 grad_bytes=max(other_live[i] for i in current),
                 start_bytes=other_no_ws[current[0] - 1] if current[0] > 0 else 0,
+                by_op=tuple(reversed(by_op)),
             )
         )
 
