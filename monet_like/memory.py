@@ -205,6 +205,24 @@ def silenced(fd: int):
             os.close(saved)
 
 
+@contextlib.contextmanager
+def captured(fd: int):
+    """Collect what C++ libraries write to file descriptor `fd` meanwhile: yields a list
+    that holds the text once the block is left (CBC's log, read for what it proves)."""
+    (sys.stdout if fd == 1 else sys.stderr).flush()
+    text: list[str] = []
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), fd)
+        try:
+            yield text
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+            sink.seek(0)
+            text.append(sink.read().decode(errors="replace"))
+
+
 def record_allocations(fn: Callable[[], object]):
     """Run `fn` under torch.profiler with memory recording; return its event tree roots.
 

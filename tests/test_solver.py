@@ -17,7 +17,13 @@ from monet_like.solver import (
     min_feasible_budget,
     solve,
 )
-from monet_like.solver.milp import evaluate, formulate, is_feasible, solve_formulation
+from monet_like.solver.milp import (
+    _cbc_bound_before_restart,
+    evaluate,
+    formulate,
+    is_feasible,
+    solve_formulation,
+)
 from monet_like.solver.problem import Problem, Stage, Unit, build_problem
 from monet_like.solver.start import greedy_start, rounded_start, start_schedule
 
@@ -238,14 +244,41 @@ def test_start_schedules_are_feasible_down_near_the_smallest_budget(resnet18_pro
     assert found["LP rounding"] == 4 and found["greedy"] >= 2
 
 
-def test_cbc_reports_its_bound_and_gap(resnet18_problem):
+def test_cbc_reports_a_bound_that_holds(resnet18_problem):
+    """CBC's bound is at most the optimum (HiGHS's schedule), its gap is measured against
+    it, and it says "optimal" only for a schedule within 0.1% of that optimum."""
     graph, prof, problem, low = resnet18_problem
     budget = int(low + 0.3 * (problem.store_all_peak_bytes - low))
     sol = solve(graph, prof, budget, solver="CBC")
-    assert sol.status == "optimal" and sol.predicted_peak_bytes <= budget
-    assert sol.bound_s is not None and sol.bound_s <= sol.objective_s + 1e-9
+    best = solve(graph, prof, budget, solver="HIGHS")
+    assert sol.predicted_peak_bytes <= budget
+    assert sol.bound_s is not None and sol.bound_s <= best.objective_s + 1e-9
     assert sol.gap == pytest.approx((sol.objective_s - sol.bound_s) / sol.objective_s, abs=1e-9)
-    assert sol.gap <= 1e-3
+    if sol.status == "optimal":
+        assert sol.gap <= 1e-3 and sol.objective_s * (1 - 1e-3) <= best.objective_s + 1e-9
+    else:
+        assert sol.gap > 1e-3
+
+
+# CBC 2.10's log on ResNet-50 at 7 GB (184, normal), shortened: after its restart the
+# root bound jumped to ten times the schedule's cost and the search "completed" at a
+# schedule 3.3% costlier than HiGHS's optimum.
+CBC_RESTART_LOG = """Continuous objective value is 2972.82 - 0.27 seconds
+Cbc0013I At root node, 6 cuts changed objective from 2972.8206 to 2996.2341 in 18 passes
+Cbc0010I After 0 nodes, 1 on tree, 1e+50 best solution, best possible 2996.2341 (7.69 seconds)
+Cbc0004I Integer solution of 3148.1152 found after 5722 iterations and 49 nodes (14.18 seconds)
+Cbc0044I Reduced cost fixing - 16903 rows, 7216 columns - restarting search
+Cbc0013I At root node, 39 cuts changed objective from 2972.8206 to 30834.636 in 1 passes
+Cbc0001I Search completed - best objective 3148.115221170883, took 5133 iterations and 0 nodes
+"""
+
+
+def test_cbc_bound_is_read_from_before_its_restart():
+    assert _cbc_bound_before_restart(CBC_RESTART_LOG) == pytest.approx(2996.2341)
+    no_restart = CBC_RESTART_LOG.split("Cbc0044I")[0]
+    assert _cbc_bound_before_restart(no_restart) == pytest.approx(2996.2341)
+    assert _cbc_bound_before_restart("Continuous objective value is 1e3 - 0.1 seconds") == 1e3
+    assert _cbc_bound_before_restart("") is None
 
 
 @pytest.mark.parametrize("bound_fraction", [None, 0.5])
