@@ -647,9 +647,16 @@ def _solve_highs(f, rhs, time_limit, gap, verbose, minimize_budget, start, progr
     return res
 
 
-def _solve_cbc(f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=None) -> RawResult:
-    """CBC through cylp directly (the library cvxpy itself calls for CBC): cvxpy's
-    interface does not pass on CBC's best bound, so it could report no gap."""
+@dataclass
+class _CbcRun:
+    status: str  # CBC's own words ("solution", "stopped on time", ...)
+    x: np.ndarray | None  # its schedule, if it holds one
+    bound: float | None  # a bound it proved (ms; scaled budget when minimizing)
+    restarted: bool
+
+
+def _cbc_run(f, rhs, time_limit, gap, verbose, minimize_budget, pins, cutoff) -> _CbcRun:
+    """One CBC solve through cylp; `cutoff` (ms) adds the row cost <= cutoff."""
     from cylp.cy import CyClpSimplex
     from cylp.py.modeling.CyLPModel import CyLPArray, CyLPModel
 
@@ -672,6 +679,8 @@ def _solve_cbc(f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=Non
         if minimize_budget:
             lhs = lhs + a_budget[rows] * budget
         model += (lhs == CyLPArray(rhs[rows])) if sense == "==" else (lhs <= CyLPArray(rhs[rows]))
+    if cutoff is not None:
+        model += sp.csr_matrix(f.cost[None, :]) * x <= CyLPArray([cutoff])
     low, high = _binary_bounds(f.n_bool, pins=pins)
     model += CyLPArray(low) <= x <= CyLPArray(high)
     model.objective = objective
@@ -693,37 +702,64 @@ def _solve_cbc(f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=Non
     restarted = "Cbc0044I" in log[0]
     status = cbc.status
     if status in ("relaxation infeasible", "problem proven infeasible"):
-        return RawResult("infeasible", None, None, None, None, 0.0, "CBC")
+        return _CbcRun("infeasible", None, None, restarted)
+    bound = _cbc_bound_before_restart(log[0]) if restarted else cbc.bestPossibleObjValue
+    if bound is not None and abs(bound) >= 1e40:
+        bound = None
     # solutionCount misses a solution found in preprocessing; CBC's objective stays at
     # its "infinity" (1e50) while it holds no incumbent.
     if status != "solution" and not cbc.objectiveValue < 1e40:
-        # Stopped by the time limit before any schedule, its bound still holds: a start
-        # returned in place of the search is then measured against it.
-        bound = _cbc_bound_before_restart(log[0]) if restarted else cbc.bestPossibleObjValue
-        known = (
-            status == "stopped on time"
-            and not minimize_budget
-            and bound is not None
-            and abs(bound) < 1e40
-        )
-        return RawResult(
-            "error", None, None, bound * MS if known else None, None, 0.0, "CBC",
-            f"no schedule ({status})",
-        )  # fmt: skip
+        return _CbcRun(status, None, bound, restarted)
     x_val = np.round(np.asarray(cbc.primalVariableSolution["x"])).astype(int)
-    bound = cbc.bestPossibleObjValue
-    objective = float(f.cost @ x_val)
-    final = "optimal" if status == "solution" else "feasible"
-    if restarted:
-        bound = _cbc_bound_before_restart(log[0])
-    elif final == "optimal" and not minimize_budget:
+    if status == "solution" and not restarted and not minimize_budget:
         # A finished search reports its own schedule as the bound; what it proved is that
         # nothing is cheaper by more than the tolerance it pruned with.
-        bound = min(bound, objective * (1 - gap))
-    gap_value = relative_gap(objective, bound)
-    if restarted and final == "optimal" and (gap_value is None or gap_value > gap):
-        final = "feasible"
-    return _finish(f, x_val, final, bound, gap_value, gap, "CBC", minimize_budget)
+        bound = min(bound, float(f.cost @ x_val) * (1 - gap))
+    return _CbcRun(status, x_val, bound, restarted)
+
+
+def _solve_cbc(f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=None) -> RawResult:
+    """CBC through cylp directly (the library cvxpy itself calls for CBC): cvxpy's
+    interface does not pass on CBC's best bound, so it could report no gap.
+
+    When CBC restarted (see _cbc_run), its claim is not taken: it solves again for a
+    schedule cheaper than its own by more than the tolerance, and again, until a run
+    that did not restart finishes (a run that finds nothing below the cutoff holds no
+    schedule to fix columns by, so it cannot restart) or the time runs out."""
+    started = time.perf_counter()
+    run = _cbc_run(f, rhs, time_limit, gap, verbose, minimize_budget, pins, None)
+    if run.status == "infeasible" and not run.restarted:
+        return RawResult("infeasible", None, None, None, None, 0.0, "CBC")
+    best, lower = run.x, run.bound
+    if best is None:  # a bound without a schedule is kept: a returned start is measured by it
+        known = run.status == "stopped on time" and not minimize_budget
+        return RawResult(
+            "error", None, None, lower * MS if known and lower is not None else None, None,
+            0.0, "CBC", f"no schedule ({run.status})",
+        )  # fmt: skip
+    while run.restarted and not minimize_budget:
+        objective = float(f.cost @ best)
+        proven = relative_gap(objective, lower)
+        remaining = None if not time_limit else time_limit - (time.perf_counter() - started)
+        if (proven is not None and proven <= gap) or (remaining is not None and remaining < 1):
+            break
+        cutoff = objective * (1 - gap)
+        run = _cbc_run(f, rhs, remaining, gap, verbose, False, pins, cutoff)
+        if run.x is not None:
+            best = run.x
+        # The optimum is above the cutoff, or within the cut problem and so above its bound.
+        if run.status == "infeasible" and not run.restarted:
+            cut_bound = cutoff
+        else:
+            cut_bound = None if run.bound is None else min(cutoff, run.bound)
+        if cut_bound is not None:
+            lower = cut_bound if lower is None else max(lower, cut_bound)
+    objective = float(f.cost @ best)
+    gap_value = relative_gap(objective, lower)
+    finished = run.status in ("solution", "infeasible") and not run.restarted
+    proven = gap_value is not None and gap_value <= gap * (1 + 1e-9)
+    final = "optimal" if finished or (proven and not minimize_budget) else "feasible"
+    return _finish(f, best, final, lower, gap_value, gap, "CBC", minimize_budget)
 
 
 def _cbc_bound_before_restart(log: str) -> float | None:
