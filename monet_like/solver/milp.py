@@ -754,6 +754,8 @@ def _solve_cbc(f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=Non
             cut_bound = None if run.bound is None else min(cutoff, run.bound)
         if cut_bound is not None:
             lower = cut_bound if lower is None else max(lower, cut_bound)
+        if run.x is None and run.restarted:  # nothing new: the same run again would repeat
+            break
     objective = float(f.cost @ best)
     gap_value = relative_gap(objective, lower)
     finished = run.status in ("solution", "infeasible") and not run.restarted
