@@ -201,9 +201,12 @@ def test_variants_lower_the_smallest_budget_and_are_never_slower(resnet_newnode)
     assert len(newnode.choices) == 17  # one per ReLU; the max-pool's variant is fixed
     low_normal = min_feasible_budget(normal, 16, False, "HIGHS")
     low_newnode = min_feasible_budget(newnode, 16, False, "HIGHS")
-    # The first ReLU's output (the largest activation, 4 MiB here) is needed by neither
-    # the max-pool's backward nor its own: the smallest step shrinks by most of it.
-    assert low_newnode < low_normal - 3 * 2**20
+    # With the variants the first ReLU's output (the largest activation, 4 MiB here) is
+    # needed by neither the max-pool's backward nor its own. Under rows that counted every
+    # saved value to the end of its stage that made the smallest step 3 MiB smaller;
+    # with rows that follow each value to its last reader, normal mode reaches the same
+    # smallest step here. Never larger:
+    assert low_newnode <= low_normal
     for budget in (low_normal, (low_normal + normal.store_all_peak_bytes) // 2):
         plain = solve(captured, reference, budget)
         chosen = solve(graph, prof, budget, mode="newnode", baseline=(captured, reference))

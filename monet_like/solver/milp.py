@@ -83,6 +83,12 @@ def _recompute_order(problem: Problem, cand, r_index, rec_alg, algorithm_of):
     return order, prefix_end, breaks
 
 
+def _op_runs(stage, choice_needs: set[int]):
+    """The stage's runs of ops (Stage.by_op); a stage without them is one run that reads
+    all its needs and its choices' units."""
+    return stage.by_op or ((None, stage.grad_bytes, tuple(set(stage.need) | choice_needs)),)
+
+
 def _choice_needs(problem: Problem) -> list[set[int]]:
     """Per stage, the units one option or the other of its choices needs."""
     extra: list[set[int]] = [set() for _ in problem.stages]
@@ -320,8 +326,8 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         # and those carried on to the next stage or possibly read later. A unit
         # recomputed only as the input of another was freed after its last reader, before
         # the backward ops; a saved value, after its last reader in the stage.
-        for at_op, reads in stage.by_op or ((stage.grad_bytes, stage.need),):
-            op_terms = backward_terms(t, set(reads) | choice_needs[t])
+        for _, at_op, reads in _op_runs(stage, choice_needs[t]):
+            op_terms = backward_terms(t, set(reads))
             row(op_terms, [(z0 + t, 1.0)], 0.0, budget_const_mib=const + at_op / MIB)
         terms = backward_terms(t, needed)  # all the stage reads: its first op on
         for k, a in enumerate(problem.algorithms):  # a convolution's backward in this stage
@@ -893,7 +899,6 @@ def _stage_columns(f: Formulation) -> list[_StageColumns]:
         stage = p.stages[t]
         needed = set(stage.need) | choice_needs[t]
         position = {u: i for i, u in enumerate(c)}
-        runs = stage.by_op or ((stage.grad_bytes, stage.need),)
         columns.append(
             _StageColumns(
                 units=np.array(c, dtype=int),
@@ -903,8 +908,8 @@ def _stage_columns(f: Formulation) -> list[_StageColumns]:
                 dead=np.array([f.last_use[u] == t for u in c], dtype=bool),
                 needed=np.array([u in needed for u in c], dtype=bool),
                 by_op=[
-                    (at_op, np.array([u in choice_needs[t] or u in reads for u in c]))
-                    for at_op, reads in runs
+                    (at_op, np.array([u in set(reads) for u in c]))
+                    for _, at_op, reads in _op_runs(stage, choice_needs[t])
                 ],
                 order=np.array([position[u] for u in order[t]], dtype=int),
                 prefix_end=np.array(prefix_end[t], dtype=int),

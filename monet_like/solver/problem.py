@@ -50,9 +50,10 @@ class Stage:
     need: tuple[int, ...]
     grad_bytes: int  # backward-only bytes alive at the stage's worst op, workspace included
     start_bytes: int = 0  # backward-only bytes alive when the stage starts (recomputation)
-    # Per run of the stage's ops: (the largest backward-only bytes at them, the units read
-    # by them or by the stage's later ops). Empty: one run, (grad_bytes, need).
-    by_op: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # Per run of the stage's ops: (its first op, the largest backward-only bytes at its
+    # ops, the units read by them or by the stage's later ops, either option of a choice
+    # included). Empty: one run, with grad_bytes and need plus the choices' units.
+    by_op: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -272,15 +273,15 @@ def build_problem(
         )
         # A saved value dies after its last reader inside the stage: what is read from
         # each op on, with the largest backward-only bytes over the ops that share it.
-        by_op: list[tuple[int, tuple[int, ...]]] = []
+        by_op: list[tuple[int, int, tuple[int, ...]]] = []
         read_from_here: set[int] = set()
         for i in reversed(current):
             read_from_here |= {unit_of_storage[s] for s in ops[i].reads if s in unit_of_storage}
             reads = tuple(sorted(read_from_here))
-            if by_op and by_op[-1][1] == reads:
-                by_op[-1] = (max(by_op[-1][0], other_live[i]), reads)
+            if by_op and by_op[-1][2] == reads:
+                by_op[-1] = (i, max(by_op[-1][1], other_live[i]), reads)
             else:
-                by_op.append((other_live[i], reads))
+                by_op.append((i, other_live[i], reads))
         stages.append(
             Stage(
                 id=len(stages),
@@ -430,5 +431,12 @@ def _choices(graph: Graph, profile, reference, stages, unit_of_storage):
                     off_s=reference_backward_s.get(site["owner"], 0.0),
                 )
             )
-        stages[t] = dataclasses.replace(stage, need=tuple(sorted(always)))
+        # Either option's units count from the site's op back to the stage's start.
+        either = [(i, units_of(graph.ops[i].reads) | set(c.off_units)) for (_, i), c in
+                  zip(entries, choices[-len(entries):], strict=True)]  # fmt: skip
+        by_op = tuple(
+            (first, live, tuple(sorted(set(reads).union(*(u for i, u in either if i >= first)))))
+            for first, live, reads in stage.by_op
+        )
+        stages[t] = dataclasses.replace(stage, need=tuple(sorted(always)), by_op=by_op)
     return stages, choices
