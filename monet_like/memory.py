@@ -194,15 +194,8 @@ def silenced(fd: int):
     """Discard what C++ libraries write to file descriptor `fd` (1 or 2) meanwhile: the
     profiler library's log lines, HiGHS's banner (printed from its constructor since
     highspy 1.16, before any option can turn it off)."""
-    (sys.stdout if fd == 1 else sys.stderr).flush()
-    saved = os.dup(fd)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), fd)
-        try:
-            yield
-        finally:
-            os.dup2(saved, fd)
-            os.close(saved)
+    with captured(fd):
+        yield
 
 
 @contextlib.contextmanager
