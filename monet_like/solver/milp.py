@@ -125,6 +125,10 @@ class Formulation:
     # (stage, unit) -> per forward option, "recomputed before the stage with it"
     rec_alg: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     algorithm_of: dict[int, int] = field(default_factory=dict)  # unit -> algorithm choice
+    # per stage, the recomputable candidates in run order, and per entry the last
+    # position begun when it ends (-1: no row of its own): see _recompute_order
+    recompute_order: list[list[int]] = field(default_factory=list)
+    prefix_end: list[list[int]] = field(default_factory=list)
 
     def chosen_options(self, x: np.ndarray) -> list[tuple[int, int | None]]:
         """Per algorithm choice, the forward option and the backward option (None: it
@@ -329,9 +333,9 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         for _, at_op, reads in _op_runs(stage, choice_needs[t]):
             op_terms = backward_terms(t, set(reads))
             row(op_terms, [(z0 + t, 1.0)], 0.0, budget_const_mib=const + at_op / MIB)
-        terms = backward_terms(t, needed)  # all the stage reads: its first op on
         for k, a in enumerate(problem.algorithms):  # a convolution's backward in this stage
             if a.stage == t and a.backward:
+                terms = backward_terms(t, needed)  # all the stage reads: its first op on
                 ws = [(j, o[2] / MIB) for j, o in zip(bwd_cols[k], a.backward, strict=True)]
                 at_op = const + a.backward_live / MIB
                 row(terms + ws, [(z0 + t, 1.0)], 0.0, budget_const_mib=at_op)
@@ -425,6 +429,8 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         bwd_cols=bwd_cols,
         rec_alg=rec_alg,
         algorithm_of=algorithm_of,
+        recompute_order=order,
+        prefix_end=prefix_end,
     )
     f.stats = {
         "variables": n_bool + n_cont,
@@ -892,7 +898,6 @@ def _stage_columns(f: Formulation) -> list[_StageColumns]:
     if f.columns is not None:
         return f.columns
     p = f.problem
-    order, prefix_end, _ = _recompute_order(p, f.cand, f.r_index, f.rec_alg, f.algorithm_of)
     choice_needs = _choice_needs(p)
     columns = []
     for t, c in enumerate(f.cand):
@@ -908,11 +913,11 @@ def _stage_columns(f: Formulation) -> list[_StageColumns]:
                 dead=np.array([f.last_use[u] == t for u in c], dtype=bool),
                 needed=np.array([u in needed for u in c], dtype=bool),
                 by_op=[
-                    (at_op, np.array([u in set(reads) for u in c]))
+                    (at_op, np.isin(c, reads))
                     for _, at_op, reads in _op_runs(stage, choice_needs[t])
                 ],
-                order=np.array([position[u] for u in order[t]], dtype=int),
-                prefix_end=np.array(prefix_end[t], dtype=int),
+                order=np.array([position[u] for u in f.recompute_order[t]], dtype=int),
+                prefix_end=np.array(f.prefix_end[t], dtype=int),
             )
         )
     f.columns = columns
