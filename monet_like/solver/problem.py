@@ -414,11 +414,13 @@ def _choices(graph: Graph, profile, reference, stages, unit_of_storage):
         stage = stages[t]
         choice_ops = {i for _, i in entries}
         always = units_of(s for i in stage.ops if i not in choice_ops for s in graph.ops[i].reads)
+        either: list[tuple[int, set[int]]] = []  # (the site's op, either option's units)
         for site, i in entries:
             on = units_of(graph.ops[i].reads)
             read = encoded_names(["list", site["original"]["args"]])
             off = units_of(s for name in read for s in graph.values[name])
             optional = units_of(s for n in site["forward"] for s in graph.values.get(n, ()))
+            either.append((i, on | (off - always)))
             choices.append(
                 Choice(
                     site=site["id"],
@@ -432,8 +434,6 @@ def _choices(graph: Graph, profile, reference, stages, unit_of_storage):
                 )
             )
         # Either option's units count from the site's op back to the stage's start.
-        either = [(i, units_of(graph.ops[i].reads) | set(c.off_units)) for (_, i), c in
-                  zip(entries, choices[-len(entries):], strict=True)]  # fmt: skip
         by_op = tuple(
             (first, live, tuple(sorted(set(reads).union(*(u for i, u in either if i >= first)))))
             for first, live, reads in stage.by_op
