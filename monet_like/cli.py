@@ -231,7 +231,13 @@ def build_solve_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ablation", action="store_true", help="forbid recomputation")
     p.add_argument("--input_grad", action="store_true", help="also compute the input's gradient")
-    p.add_argument("--formulation", default="compact", choices=("compact", "full"))
+    p.add_argument(
+        "--formulation",
+        default="compact",
+        choices=("compact", "full"),
+        help="compact (default): recompute depth 16; full: MONeT's T x V, every ancestor"
+        " a candidate and each input freed after its last recomputed reader",
+    )
     p.add_argument("--depth", type=positive_int, default=None, help="compact: recompute depth")
     p.add_argument("--input_shape", help="per-sample input shape without batch, e.g. 3,224,224")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")

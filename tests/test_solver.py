@@ -31,15 +31,23 @@ MIB = 2**20
 SOLVERS = ["HIGHS", "CBC", "PULP"]
 
 
-def toy_problem(edges: dict[int, tuple[int, ...]], sizes, times, stage_needs, grad=1) -> Problem:
-    """A hand-made problem: units with inputs, and backward stages needing units."""
+def toy_problem(
+    edges: dict[int, tuple[int, ...]], sizes, times, stage_needs, grad=1, grad_at_start=False
+) -> Problem:
+    """A hand-made problem: units with inputs, and backward stages needing units (with
+    `grad` MiB of gradients at their ops, and also while they recompute if
+    `grad_at_start`)."""
     n = len(sizes)
     last_fwd = [max([u] + [v for v in range(n) if u in edges.get(v, ())]) for u in range(n)]
     units = [
         Unit(u, (u,), (u,), sizes[u] * MIB, times[u], 0, tuple(edges.get(u, ())), last_fwd[u])
         for u in range(n)
     ]
-    stages = [Stage(t, need[-1], (), tuple(need), grad * MIB) for t, need in enumerate(stage_needs)]
+    start = grad * MIB if grad_at_start else 0
+    stages = [
+        Stage(t, need[-1], (), tuple(need), grad * MIB, start_bytes=start)
+        for t, need in enumerate(stage_needs)
+    ]
     return Problem(units, stages, 0, [0] * n, 0, 1.0, 0)
 
 
@@ -52,6 +60,15 @@ DIAMOND = toy_problem(
     times=[5e-3, 1e-3, 2e-3, 1e-3],
     stage_needs=[[3, 2], [2, 0], [1, 0]],
 )
+# The last stage needs unit 2, dropped: recomputing it needs unit 1 and so unit 0 too,
+# and only freeing unit 0 once unit 1 is back fits that in 9 MiB.
+FREED = toy_problem(
+    {1: (0,), 2: (1,)},
+    sizes=[2, 3, 4],
+    times=[4e-3, 1e-3, 1e-3],
+    stage_needs=[[0], [1, 0], [2]],
+    grad_at_start=True,
+)
 
 
 def brute_force(f, budget_bytes):
@@ -61,10 +78,19 @@ def brute_force(f, budget_bytes):
     ab, ac = f.a_bool.toarray(), f.a_cont.toarray()
     eq, le = f.is_eq, ~f.is_eq
     xs = np.array(list(itertools.product([0, 1], repeat=f.n_bool)), dtype=float).T
-    # Every continuous column is a running sum, fixed by its own equality row.
+    ys = np.zeros((f.n_cont, xs.shape[1]))
+    # The full formulation's frees only lower memory: each takes the largest value its
+    # own rows (one continuous term: free <= R, free <= 1 - R, ...) allow.
+    for j in f.free_columns:
+        own = le & (ac[:, j] == 1) & (np.count_nonzero(ac, axis=1) == 1)
+        assert own.any()
+        ys[j] = np.min(rhs[own][:, None] - ab[own] @ xs, axis=0)
+    # Every other continuous column is a running sum, fixed by its own equality row.
+    sums = np.setdiff1d(np.arange(f.n_cont), f.free_columns)
     defining = eq & np.any(ac != 0, axis=1)
-    assert defining.sum() == f.n_cont
-    ys = np.linalg.solve(ac[defining], rhs[defining][:, None] - ab[defining] @ xs)
+    assert defining.sum() == len(sums)
+    known = rhs[defining][:, None] - ab[defining] @ xs - ac[defining] @ ys
+    ys[sums] = np.linalg.solve(ac[defining][:, sums], known)
     ok = np.all(ab[le] @ xs + ac[le] @ ys <= rhs[le][:, None] + 1e-9, axis=0)
     if not ok.any():
         return None
@@ -72,7 +98,7 @@ def brute_force(f, budget_bytes):
     return float(costs.min()) * 1e-3
 
 
-@pytest.mark.parametrize("problem, depth", [(CHAIN, None), (DIAMOND, 1)])
+@pytest.mark.parametrize("problem, depth", [(CHAIN, None), (DIAMOND, 1), (FREED, None)])
 @pytest.mark.parametrize("budget_mib", [5, 7, 9, 12, 20])
 def test_solvers_find_the_brute_force_optimum(problem, depth, budget_mib):
     f = formulate(problem, depth)
@@ -86,6 +112,18 @@ def test_solvers_find_the_brute_force_optimum(problem, depth, budget_mib):
         assert raw.status == "optimal", solver
         assert raw.objective == pytest.approx(best, abs=1e-9), solver
         assert evaluate(f, raw.x_bool)["peak_bytes"] <= budget_mib * MIB
+
+
+def test_the_full_formulation_frees_a_recomputations_inputs():
+    full, compact = formulate(FREED, None), formulate(FREED, 3)  # the same candidates
+    assert full.n_bool == compact.n_bool and len(full.free_columns) > 0
+    best_full, best_compact = brute_force(full, 9 * MIB), brute_force(compact, 9 * MIB)
+    assert best_full < best_compact
+    raw = solve_formulation(full, 9 * MIB, "HIGHS", time_limit=30)
+    assert raw.objective == pytest.approx(best_full, abs=1e-9)
+    assert evaluate(full, raw.x_bool)["peak_bytes"] <= 9 * MIB
+    # the same schedule, its inputs held until the recomputations end, does not fit
+    assert evaluate(compact, raw.x_bool)["peak_bytes"] > 9 * MIB
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +158,7 @@ def test_budget_above_store_all_returns_store_all_without_solving(resnet18):
 def test_infeasible_budgets_report_the_smallest_feasible_one(resnet18):
     graph, prof, problem = resnet18
     with pytest.raises(InfeasibleBudget) as below_fixed:
-        solve(graph, prof, problem.fixed_bytes // 2, solver="HIGHS")
+        solve(graph, prof, problem.fixed_bytes // 2, solver="HIGHS", formulation="full")
     assert "fixed part" in str(below_fixed.value)
     smallest = below_fixed.value.min_budget_bytes
     assert problem.fixed_bytes < smallest < problem.store_all_peak_bytes
@@ -147,6 +185,12 @@ SMALL_GRAPHS = [
     ("unet(base=8)", (3, 64, 64), 4),
     ("gpt(depth=2, dim=64)", (64,), 8),
 ]
+# Where the compact formulation is more than 2% off the full one (measured; README): a
+# GPT block is a long chain, recomputed whole, and the compact formulation holds each
+# recomputed unit until the stage's recomputations end, where the full one frees it
+# after its last reader. Its smallest budget is 16% lower in the full formulation, and
+# near it the compact optimum was 72% costlier in one profile, equal in another.
+LONG_CHAINS = {"gpt(depth=2, dim=64)"}
 
 
 @pytest.mark.parametrize("expression, shape, batch", SMALL_GRAPHS)
@@ -160,17 +204,20 @@ def test_store_all_is_exact_and_compact_is_within_two_percent_of_full(expression
     # value counts until its last reader inside a stage, not to the stage's end.
     no_recompute = min_feasible_budget(problem, DEFAULT_DEPTH, True, "HIGHS")
     assert no_recompute == problem.store_all_peak_bytes
-    # The compact formulation's smallest budget (a third of the full one's solve time
-    # here) is feasible for the full one too, which contains it.
+    # The compact formulation's smallest budget is feasible for the full one too, which
+    # contains it.
     low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
     for fraction in (0.2, 0.5):
         budget = int(low + fraction * (problem.store_all_peak_bytes - low))
         full = solve(graph, prof, budget, solver="HIGHS", formulation="full", time_limit=120)
         compact = solve(graph, prof, budget, solver="HIGHS", time_limit=120)
         assert compact.stats["variables"] <= full.stats["variables"]
-        assert compact.objective_s <= 1.02 * full.objective_s + 1e-6
-        # Compact restricts full, but both stop within the solvers' 0.1% relative gap.
-        assert compact.objective_s >= full.objective_s * (1 - 1e-3) - 1e-6
+        # Every compact schedule is one of the full formulation's: never below its bound.
+        assert compact.objective_s >= full.bound_s - 1e-6
+        if expression not in LONG_CHAINS:
+            assert compact.objective_s <= 1.02 * full.objective_s + 1e-6
+    if expression in LONG_CHAINS:
+        assert min_feasible_budget(problem, None, False, "HIGHS") < 0.98 * low
 
 
 def test_gurobi_when_installed():

@@ -8,12 +8,16 @@ recompute time c_u) and backward stages t (in eager order):
   S[t,u]     binary   u is in memory at the start of stage t
 
 defined only for the candidates C(t) of each stage: the units stage t needs and
-their forward ancestors up to `depth` steps back (depth=None: all ancestors, the
-"full" formulation). Outside C(t) a unit is present exactly when it was kept,
-until its last possible use. Memory is checked at every forward unit and at every
-backward stage, with the backward-only bytes (gradients, temporaries, workspace)
-of the stage's worst op. Auxiliary running sums keep the number of nonzeros
-linear in the size of the graph.
+their forward ancestors up to `depth` steps back. Outside C(t) a unit is present
+exactly when it was kept, until its last possible use. Memory is checked at every
+forward unit, at every recomputation and at every run of a stage's backward ops,
+with the backward-only bytes (gradients, temporaries, workspace) there. Auxiliary
+running sums keep the number of nonzeros linear in the size of the graph.
+
+depth=None is the "full" formulation, MONeT's T x V: every ancestor is a candidate
+of every stage, and memory is checked at each recomputation with each input freed
+after its last recomputed reader (free[t, i, k] columns, Checkmate's FREE), where the
+compact one counts a recomputed unit until the stage's recomputations end.
 
 The matrix is built once, sparse, and handed to HiGHS (highspy), CBC (cylp), Gurobi
 (cvxpy) or PuLP's bundled CBC.
@@ -60,11 +64,11 @@ def candidates(problem: Problem, depth: int | None) -> list[list[int]]:
     return result
 
 
-def _recompute_order(problem: Problem, cand, r_index, rec_alg, algorithm_of):
+def _recompute_order(problem: Problem, cand, r_index, rec_alg, algorithm_of, every=False):
     """Per stage: the recomputable candidates in the order their ops run (by first
     node); for each, the last position among them that has begun by the time its own
-    last node runs (-1 where it needs no row of its own: no workspace); and the
-    positions where the running sum of recomputed bytes is read."""
+    last node runs (-1 where it needs no row of its own: no workspace, unless `every`);
+    and the positions where the running sum of recomputed bytes is read."""
     units = problem.units
     order, prefix_end, breaks = [], [], []
     for t, c in enumerate(cand):
@@ -73,14 +77,63 @@ def _recompute_order(problem: Problem, cand, r_index, rec_alg, algorithm_of):
         ends = []
         for u in o:
             algorithm = problem.algorithms[algorithm_of[u]] if (t, u) in rec_alg else None
-            has_ws = units[u].workspace_bytes > 0 or (
-                algorithm is not None and any(opt[2] for opt in algorithm.forward)
+            has_ws = (
+                every
+                or units[u].workspace_bytes > 0
+                or (algorithm is not None and any(opt[2] for opt in algorithm.forward))
             )
             ends.append(bisect_right(firsts, max(units[u].nodes)) - 1 if has_ws else -1)
         order.append(o)
         prefix_end.append(ends)
         breaks.append(sorted({e for e in ends if e >= 0} | ({len(o) - 1} if o else set())))
     return order, prefix_end, breaks
+
+
+@dataclass(frozen=True)
+class FreePlan:
+    """The full formulation's frees in one stage. `readers`: the recomputable units
+    that read a candidate the stage's backward ops do not, in the order their last op
+    runs, each with those inputs. Input i read by k can go once both k's ops and i's
+    own (a view of i read late holds it) have run: `event[i, k]` numbers that moment
+    among the stage's distinct ones, in order; `before[p]`: how many of them come
+    before the unit at position p of the run order begins."""
+
+    readers: tuple[tuple[int, tuple[int, ...]], ...]
+    event: dict[tuple[int, int], int]
+    n_events: int
+    before: tuple[int, ...]
+
+
+def _free_plans(problem: Problem, cand, order) -> list[FreePlan]:
+    units = problem.units
+    choice_needs = _choice_needs(problem)
+    never_freed = {u.id for u in units if u.side_of is not None}
+    never_freed |= {u for c in problem.choices for u in c.optional_units}
+    plans = []
+    for t, (stage, c) in enumerate(zip(problem.stages, cand, strict=True)):
+        read = set(stage.need) | choice_needs[t]
+        for _, _, reads in _op_runs(stage, choice_needs[t]):
+            read.update(reads)
+        in_stage = set(c)
+        readers = []
+        for k in sorted(order[t], key=lambda u: units[u].span[1]):
+            freeable = [i for i in units[k].inputs if i in in_stage and i not in read | never_freed]
+            if freeable:
+                readers.append((k, tuple(freeable)))
+        when = {
+            (i, k): max(units[k].span[1], units[i].span[1]) for k, inputs in readers for i in inputs
+        }
+        times = sorted(set(when.values()))
+        number = {w: e for e, w in enumerate(times)}
+        plans.append(
+            FreePlan(
+                readers=tuple(readers),
+                event={ik: number[w] for ik, w in when.items()},
+                n_events=len(times),
+                before=tuple(bisect_right(times, units[u].span[0] - 1) for u in order[t]),
+            )
+        )
+    return plans
 
 
 def _op_runs(stage, choice_needs: set[int]):
@@ -129,6 +182,10 @@ class Formulation:
     # position begun when it ends (-1: no row of its own): see _recompute_order
     recompute_order: list[list[int]] = field(default_factory=list)
     prefix_end: list[list[int]] = field(default_factory=list)
+    # the full formulation (depth None): a recomputation's inputs are freed after their
+    # last reader, with a continuous column per (stage, input, reader): see _free_plans
+    free_plans: list[FreePlan] | None = None
+    free_columns: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
 
     def chosen_options(self, x: np.ndarray) -> list[tuple[int, int | None]]:
         """Per algorithm choice, the forward option and the backward option (None: it
@@ -143,7 +200,13 @@ class Formulation:
         return self.a_bool.shape[0]
 
 
-def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True) -> Formulation:
+def formulate(
+    problem: Problem, depth: int | None, allow_recompute: bool = True, frees: bool | None = None
+) -> Formulation:
+    """The MILP of `problem`: candidates up to `depth` steps back (None: all, the full
+    formulation); `allow_recompute=False` forbids recomputation (--ablation); `frees`
+    frees a recomputation's inputs after their last reader (default: in the full
+    formulation only; docs/formulation.md says why not in the compact one)."""
     units, stages = problem.units, problem.stages
     n_u, n_t = len(units), len(stages)
     cand = candidates(problem, depth if allow_recompute else 0)  # depth 0: the needs alone
@@ -195,13 +258,30 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
     # continuous: y_k (forward kept bytes of units already consumed), z_t (kept, pinned),
     # b_t (what stage t starts with: z_t plus the candidates carried into it), and q
     # (bytes recomputed so far in a stage, a running sum at the points a row reads it)
-    order, prefix_end, breaks = _recompute_order(problem, cand, r_index, rec_alg, algorithm_of)
+    exact = allow_recompute and (depth is None if frees is None else frees)
+    order, prefix_end, breaks = _recompute_order(
+        problem, cand, r_index, rec_alg, algorithm_of, every=exact
+    )
     y0, z0, b0 = 0, n_u, n_u + n_t
     q_col: dict[tuple[int, int], int] = {}  # (stage, position in its order) -> column
     n_cont = n_u + 2 * n_t
     for t in range(n_t):
         for pos in breaks[t]:
             q_col[t, pos] = n_cont
+            n_cont += 1
+    # Full formulation: free[t, i, k] <= 1 when input i goes after reader k (the solver
+    # sets it, within the rows below); freed_col[t, e] = bytes freed by the stage's
+    # first e + 1 free events (FreePlan), a running sum.
+    free_plans = _free_plans(problem, cand, order) if exact else None
+    free_col: dict[tuple[int, int, int], int] = {}
+    freed_col: dict[tuple[int, int], int] = {}
+    for t, plan in enumerate(free_plans or ()):
+        for k, inputs in plan.readers:
+            for i in inputs:
+                free_col[t, i, k] = n_cont
+                n_cont += 1
+        for e in range(plan.n_events):
+            freed_col[t, e] = n_cont
             n_cont += 1
 
     rows_b: list[tuple[int, int, float]] = []
@@ -277,6 +357,42 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
     side = [u.side_bytes / MIB for u in units]
     choice_needs = _choice_needs(problem)
 
+    def frees_of(t):
+        """The full formulation's frees in stage t: writes their rows, and returns a
+        function giving, for position p of the run order (None: after the last one), the
+        term subtracting what was freed before that unit begins."""
+        if free_plans is None:
+            return lambda p: []
+        plan = free_plans[t]
+        readers_of: dict[int, list[int]] = {}
+        for k, inputs in plan.readers:
+            for i in inputs:
+                readers_of.setdefault(i, []).append(k)
+        end = {k: units[k].span[1] for k, _ in plan.readers}
+        at_event: list[list[tuple[int, float]]] = [[] for _ in range(plan.n_events)]
+        for (i, k), e in plan.event.items():
+            at_event[e].append((free_col[t, i, k], -m[i]))
+        for e, terms in enumerate(at_event):
+            chain = [(freed_col[t, e], 1.0)] + ([(freed_col[t, e - 1], -1.0)] if e else [])
+            row([], chain + terms, 0.0, eq=True)
+        for k, inputs in plan.readers:
+            for i in inputs:
+                j = free_col[t, i, k]
+                row([(r_index[t, k], -1.0)], [(j, 1.0)], 0.0)  # only after k has run
+                for later in readers_of[i]:  # and no reader of i ends after k
+                    if end[later] > end[k]:
+                        row([(r_index[t, later], 1.0)], [(j, 1.0)], 1.0)
+                if (t + 1, i) in s_index:  # not carried on to the next stage
+                    row([(s_index[t + 1, i], 1.0)], [(j, 1.0)], 1.0)
+                elif last_use[i] > t:  # a kept unit a later stage may read stays
+                    row([(keep[i], 1.0)], [(j, 1.0)], 1.0)
+
+        def freed(p):
+            n = plan.n_events if p is None else plan.before[p]
+            return [(freed_col[t, n - 1], -1.0)] if n else []
+
+        return freed
+
     def backward_terms(t, read):
         """m_u (Q[t,u] - keep_u) for the candidates of stage t, at a backward op that
         (or whose successors in the stage) reads `read`; plus recomputed side outputs."""
@@ -312,13 +428,14 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
             row(seg, cont, 0.0, eq=True)
             pos_prev, q_prev = pos, q_col[t, pos]
         at_start = const + stage.start_bytes / MIB
+        freed = frees_of(t)
         end = [(q_prev, 1.0)] if q_prev is not None else []
-        row([], [(b0 + t, 1.0)] + end, 0.0, budget_const_mib=at_start)  # all recomputed
+        row([], [(b0 + t, 1.0)] + end + freed(None), 0.0, budget_const_mib=at_start)
         for i, u in enumerate(order[t]):
             if prefix_end[t][i] < 0:
                 continue  # no workspace: the row after the last recomputation covers it
-            q_here = [(q_col[t, prefix_end[t][i]], 1.0), (b0 + t, 1.0)]
-            if units[u].workspace_bytes:
+            q_here = [(q_col[t, prefix_end[t][i]], 1.0), (b0 + t, 1.0)] + freed(i)
+            if units[u].workspace_bytes or exact:  # full: memory falls, a row at each
                 ws = units[u].workspace_bytes / MIB
                 row([(r_index[t, u], ws)], q_here, 0.0, budget_const_mib=at_start)
             if (t, u) in rec_alg:  # the convolution's workspace, by the option it runs
@@ -431,6 +548,8 @@ def formulate(problem: Problem, depth: int | None, allow_recompute: bool = True)
         algorithm_of=algorithm_of,
         recompute_order=order,
         prefix_end=prefix_end,
+        free_plans=free_plans,
+        free_columns=np.array(sorted(free_col.values()), dtype=int),
     )
     f.stats = {
         "variables": n_bool + n_cont,
@@ -924,6 +1043,30 @@ def _stage_columns(f: Formulation) -> list[_StageColumns]:
     return columns
 
 
+def _freed_bytes(f: Formulation, t: int, x: np.ndarray, keep: np.ndarray) -> list[int]:
+    """Full formulation: bytes freed in stage t by its first e free events (FreePlan),
+    e = 0, 1, ...: each input goes after its last recomputed reader, unless the
+    backward ops read it, it is carried on, or it is kept for a later stage."""
+    if f.free_plans is None:
+        return [0]
+    units = f.problem.units
+    plan = f.free_plans[t]
+    last_reader: dict[int, int] = {}  # input -> its last recomputed reader
+    for k, inputs in plan.readers:  # in the order they end
+        if x[f.r_index[t, k]]:
+            for i in inputs:
+                last_reader[i] = k
+    freed = [0] * (plan.n_events + 1)
+    for i, k in last_reader.items():
+        if (t + 1, i) in f.s_index:
+            stays = bool(x[f.s_index[t + 1, i]])
+        else:
+            stays = f.last_use[i] > t and bool(keep[i])
+        if not stays:
+            freed[plan.event[i, k] + 1] += units[i].bytes
+    return [int(v) for v in np.cumsum(freed)]
+
+
 def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
     """Exact bytes of a 0/1 assignment under the model: peak and where it is reached."""
     p = f.problem
@@ -981,11 +1124,14 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
         at_start = p.constant_bytes + stage.start_bytes + int(z[t])
         at_start += int((m[cu] * (held - keep[cu])).sum())
         so_far = np.cumsum(((m[cu] + side[cu]) * recomputed)[cols.order])
-        live = at_start + (int(so_far[-1]) if len(so_far) else 0)
+        freed = _freed_bytes(f, t, x, keep)  # full formulation; else nothing
+        live = at_start + (int(so_far[-1]) if len(so_far) else 0) - freed[-1]
+        plan = f.free_plans[t] if f.free_plans is not None else None
         for i, j in enumerate(cols.order):
-            if cols.prefix_end[i] >= 0 and recomputed[j]:
-                ws = max(int(unit_ws[cu[j]]), rec_ws.get((t, int(cu[j])), 0))
-                live = max(live, at_start + int(so_far[cols.prefix_end[i]]) + ws)
+            if cols.prefix_end[i] >= 0 and (recomputed[j] or plan is not None):
+                ws = max(int(unit_ws[cu[j]]), rec_ws.get((t, int(cu[j])), 0)) * int(recomputed[j])
+                before = freed[plan.before[i]] if plan is not None else 0
+                live = max(live, at_start + int(so_far[cols.prefix_end[i]]) - before + ws)
         # the backward ops: what they read from there on, what goes on to later stages
         # (a convolution's backward: counted with all the stage reads)
         rewritten = int(z[t]) + int((side[cu] * recomputed).sum())

@@ -40,6 +40,15 @@ class Unit:
     random: bool = False  # holds a random op (dropout): never recomputed, only kept
     side_of: int | None = None  # small outputs of that unit's nodes: kept, never recomputed
     side_bytes: int = 0  # bytes of its side units, rewritten whenever it is recomputed
+    # first and last forward op of its nodes (views folded into them included: a view
+    # read late holds the unit's storage until then); None: its node ids stand in
+    op_span: tuple[int, int] | None = None
+
+    @property
+    def span(self) -> tuple[int, int]:
+        if self.op_span is not None:
+            return self.op_span
+        return (min(self.nodes), max(self.nodes)) if self.nodes else (0, 0)
 
 
 @dataclass(frozen=True)
@@ -229,6 +238,14 @@ def build_problem(
                 for side, main in side_of.items()
                 if main == uid
                 for s in unit_storages[side]
+            ),
+            op_span=(
+                (
+                    min(i for n in nids for i in graph.nodes[n].ops),
+                    max(i for n in nids for i in graph.nodes[n].ops),
+                )
+                if nids
+                else None
             ),
         )
         for uid, nids in enumerate(unit_nodes)
