@@ -19,9 +19,11 @@ from monet_like.solver import DEFAULT_DEPTH, min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
 from monet_like.wrapper import ScheduleMismatch
 
-# (expression, input shape, batch, recomputation depth of the compact formulation).
-# DenseNet's dense connectivity gives every stage hundreds of ancestors within 16
-# steps (75k binaries): depth 2 keeps its test at seconds.
+# (expression, input shape, batch, recomputation depth of the compact formulation;
+# None: the full formulation). DenseNet's dense connectivity gives every stage hundreds
+# of ancestors within 16 steps (75k binaries): depth 2 keeps its test at seconds. The
+# GPT's tightest schedules recompute whole blocks, freeing each input after its last
+# reader in the full formulation: replayed too.
 MODELS = [
     ("torchvision.models.resnet18()", (3, 64, 64), 16, DEFAULT_DEPTH),
     # Batch 16: the smallest feasible budget is 49% of store-all, so 50% runs as itself.
@@ -30,6 +32,7 @@ MODELS = [
     ("torchvision.models.densenet121()", (3, 32, 32), 4, 2),
     ("unet(base=8)", (3, 64, 64), 4, DEFAULT_DEPTH),
     ("gpt(depth=2, dim=64)", (64,), 8, DEFAULT_DEPTH),
+    ("gpt(depth=2, dim=64)", (64,), 8, None),
 ]
 
 
@@ -59,7 +62,16 @@ def solved(
     else:
         budgets = [int(low + f * (peak - low)) for f in fractions]
     for budget in budgets:
-        sol = solve(graph, prof, budget, solver="HIGHS", time_limit=120, depth=depth)
+        formulation = "compact" if depth is not None else "full"
+        sol = solve(
+            graph,
+            prof,
+            budget,
+            solver="HIGHS",
+            time_limit=120,
+            depth=depth,
+            formulation=formulation,
+        )
         bound = sol.predicted_peak_bytes
         assert_recomputation_reads_its_own_versions(build(graph, sol))
         finalize(graph, sol, prof)
