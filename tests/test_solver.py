@@ -209,7 +209,10 @@ def test_store_all_is_exact_and_compact_is_within_two_percent_of_full(expression
     low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
     for fraction in (0.2, 0.5):
         budget = int(low + fraction * (problem.store_all_peak_bytes - low))
-        full = solve(graph, prof, budget, solver="HIGHS", formulation="full", time_limit=120)
+        # 60 s: GoogLeNet's full solves take 60-110 s alone (a 5-minute test beside
+        # another worker at 120 s); stopped, the full formulation's schedule is only
+        # costlier, and its bound still holds.
+        full = solve(graph, prof, budget, solver="HIGHS", formulation="full", time_limit=60)
         compact = solve(graph, prof, budget, solver="HIGHS", time_limit=120)
         assert compact.stats["variables"] <= full.stats["variables"]
         # Every compact schedule is one of the full formulation's: never below its bound.
