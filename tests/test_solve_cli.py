@@ -80,6 +80,7 @@ def test_infeasible_budget_exits_2_with_smallest_feasible_budget():
     r = run(*MODEL, "0.05", "normal", "HIGHS", *SMALL)
     assert r.returncode == 2
     assert "smallest feasible budget" in r.stderr and "Traceback" not in r.stderr
+    assert "--formulation full" in r.stderr  # the compact formulation's smallest, said so
     report = last_json(r)
     assert report["status"] == "infeasible"
     assert report["min_feasible_budget_bytes"] > report["fixed_bytes"] > 0

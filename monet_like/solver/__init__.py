@@ -233,12 +233,18 @@ def _solve(
         return _store_all(problem, base)
 
     check_solver(solver)
+    # The compact formulation's smallest budget is an upper bound on the true one.
+    whose = (
+        " in the compact formulation (--formulation full frees recomputed values sooner)"
+        if formulation == "compact" and not ablation
+        else ""
+    )
     if budget_bytes < problem.fixed_bytes:
         smallest = min_feasible_budget(problem, depth, ablation, solver)
         raise InfeasibleBudget(
             f"budget {budget_bytes / GIB:.3f} GB is below the fixed part "
             f"{problem.fixed_bytes / GIB:.3f} GB (parameters, gradients, buffers, input); "
-            f"the smallest feasible budget is {smallest / GIB:.3f} GB",
+            f"the smallest feasible budget is {smallest / GIB:.3f} GB{whose}",
             smallest,
             problem.fixed_bytes,
         )
@@ -267,7 +273,7 @@ def _solve(
         smallest = min_feasible_budget(problem, depth, ablation, solver)
         raise InfeasibleBudget(
             f"no schedule fits {budget_bytes / GIB:.3f} GB: the smallest feasible budget is "
-            f"{smallest / GIB:.3f} GB (fixed part {problem.fixed_bytes / GIB:.3f} GB)",
+            f"{smallest / GIB:.3f} GB{whose}; fixed part {problem.fixed_bytes / GIB:.3f} GB",
             smallest,
             problem.fixed_bytes,
         )
