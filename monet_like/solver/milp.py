@@ -111,9 +111,7 @@ def _free_plans(problem: Problem, cand, order) -> list[FreePlan]:
     never_freed |= {u for c in problem.choices for u in c.optional_units}
     plans = []
     for t, (stage, c) in enumerate(zip(problem.stages, cand, strict=True)):
-        read = set(stage.need) | choice_needs[t]
-        for _, _, reads in _op_runs(stage, choice_needs[t]):
-            read.update(reads)
+        read = set(stage.need) | choice_needs[t]  # all the stage's backward ops read
         in_stage = set(c)
         readers = []
         for k in sorted(order[t], key=lambda u: units[u].span[1]):
