@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+import monet_like.solver as solver_module
+from monet_like.errors import UserError
 from monet_like.graph import capture
 from monet_like.models import parse_model
 from monet_like.profile import profile
@@ -124,6 +126,28 @@ def test_the_full_formulation_frees_a_recomputations_inputs():
     assert evaluate(full, raw.x_bool)["peak_bytes"] <= 9 * MIB
     # the same schedule, its inputs held until the recomputations end, does not fit
     assert evaluate(compact, raw.x_bool)["peak_bytes"] > 9 * MIB
+
+
+def test_the_full_smallest_budget_falls_back_to_the_compact_one(monkeypatch):
+    full = min_feasible_budget(FREED, None, False, "HIGHS")
+    compact = min_feasible_budget(FREED, DEFAULT_DEPTH, False, "HIGHS")
+    assert full <= compact  # every compact schedule is one of the full formulation's
+
+    # A full min-memory solve that its time limit stops before any schedule (GoogLeNet
+    # at 64 px, 300 s): the compact formulation's smallest budget, an upper bound.
+    solved = solver_module._min_budget
+
+    depths = []
+
+    def stopped_when_full(problem, depth, *args):
+        depths.append(depth)
+        if depth is None:
+            raise UserError("could not solve the min-memory problem")
+        return solved(problem, depth, *args)
+
+    monkeypatch.setattr(solver_module, "_min_budget", stopped_when_full)
+    assert min_feasible_budget(FREED, None, False, "HIGHS") == compact
+    assert depths == [DEFAULT_DEPTH, None]
 
 
 @pytest.fixture(scope="module")

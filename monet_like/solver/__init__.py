@@ -76,7 +76,28 @@ def min_feasible_budget(
 ) -> int:
     """The smallest budget any schedule of the model reaches (the min-memory problem),
     within 0.1%; when `time_limit` stops the solver first, the smallest budget it found
-    (a feasible budget, possibly above the smallest)."""
+    (a feasible budget, possibly above the smallest).
+
+    The full formulation (`depth` None) is far harder to solve. Every compact schedule
+    is one of its schedules, at a peak no higher, so the compact formulation's smallest
+    budget (solved first, in half the time) bounds it from above and is the answer
+    when the full solve finds nothing better before its limit."""
+    if depth is None and not ablation:
+        started = time.perf_counter()
+        compact = min_feasible_budget(
+            problem, DEFAULT_DEPTH, ablation, solver, time_limit and time_limit / 2
+        )
+        remaining = time_limit and max(1.0, time_limit - (time.perf_counter() - started))
+        try:
+            return min(compact, _min_budget(problem, None, ablation, solver, remaining))
+        except UserError:
+            return compact
+    return _min_budget(problem, depth, ablation, solver, time_limit)
+
+
+def _min_budget(
+    problem: Problem, depth: int | None, ablation: bool, solver: str, time_limit: float | None
+) -> int:
     import cvxpy as cp
 
     f = formulate(problem, depth, allow_recompute=not ablation)
