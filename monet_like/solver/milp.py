@@ -39,6 +39,7 @@ import scipy.sparse as sp
 from monet_like.errors import UserError
 from monet_like.memory import captured, silenced
 from monet_like.solver.problem import Problem
+from monet_like.solver.race import available_cores, race
 
 MIB = float(2**20)  # bytes are scaled to MiB inside the matrix: better conditioned
 MS = 1e-3  # times scaled to milliseconds
@@ -589,6 +590,7 @@ def solve_formulation(
     start: np.ndarray | None = None,
     progress: Callable[[str], None] | None = None,
     pins: tuple[np.ndarray, np.ndarray] | None = None,
+    workers: int | None = None,
 ) -> RawResult:
     """Solve for the least recomputation within `budget_bytes`; with `budget_bytes=None`,
     for the smallest budget (then the least recomputation among equals).
@@ -597,6 +599,7 @@ def solve_formulation(
     that take one (HiGHS, PuLP's CBC); with a start the first feasible time is 0.
     `progress` receives one line per improved schedule where the solver reports them.
     `pins` = (columns, values) fixes some binary columns (HiGHS and CBC).
+    `workers`: HiGHS searches raced with different seeds (default `highs_workers(f)`).
     """
     rhs = _rhs_for(f, budget_bytes)
     started = time.perf_counter()
@@ -606,7 +609,10 @@ def solve_formulation(
         res = _solve_pulp(f, rhs, time_limit, gap, verbose, start)
     elif solver == "HIGHS":
         minimize_budget = budget_bytes is None
-        res = _solve_highs(f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, pins)
+        workers = highs_workers(f) if workers is None else workers
+        res = _solve_highs(
+            f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, pins, workers
+        )
     elif solver == "CBC":
         res = _solve_cbc(f, rhs, time_limit, gap, verbose, budget_bytes is None, pins)
     else:
@@ -728,13 +734,40 @@ def is_feasible(f: Formulation, x_bool: np.ndarray, budget_bytes: int) -> bool:
     return h.getModelStatus() == highspy.HighsModelStatus.kOptimal
 
 
-def _solve_highs(f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, pins=None):
-    """HiGHS through highspy: cvxpy's interface takes no start and reports no progress."""
+@dataclass
+class _HighsOutcome:
+    """One HiGHS search, as plain values (a racer sends it through a pipe)."""
+
+    status: str  # "optimal", "feasible", "infeasible", "error"
+    x: np.ndarray | None
+    objective: float  # HiGHS's objective and dual bound, in the model's own units
+    bound: float
+    message: str
+    first_s: float | None  # when it found its first schedule
+    seed: int
+
+
+# Racing a second HiGHS search only pays on problems that take seconds or more:
+# ResNet-50's has 9,936 binaries, the test suite's ResNet-18 about 1,500.
+RACE_MIN_BINARIES = 4000
+
+
+def highs_workers(f: Formulation) -> int:
+    """How many HiGHS searches to race on `f` (see race.py): one per core, up to two,
+    on a large problem; one otherwise."""
+    return min(2, available_cores()) if f.n_bool >= RACE_MIN_BINARIES else 1
+
+
+def _highs_search(
+    f, rhs, time_limit, gap, verbose, minimize_budget, start, pins, seed, progress, stop
+) -> _HighsOutcome:
+    """One HiGHS search with random seed `seed`; `stop()` (polled) interrupts it."""
     import highspy
 
     h = _highs_model(f, rhs, minimize_budget, pins=pins)
-    h.setOptionValue("output_flag", bool(verbose))
+    h.setOptionValue("output_flag", bool(verbose) and seed == 0)
     h.setOptionValue("mip_rel_gap", float(gap))
+    h.setOptionValue("random_seed", seed)
     if time_limit:
         h.setOptionValue("time_limit", float(time_limit))
     n_b = f.n_bool
@@ -758,21 +791,58 @@ def _solve_highs(f, rhs, time_limit, gap, verbose, minimize_budget, start, progr
             )
 
     h.cbMipImprovingSolution.subscribe(improved)
+    if stop is not None:
+        h.cbMipInterrupt.subscribe(lambda event: event.interrupt() if stop() else None)
     h.run()
     model_status = h.getModelStatus()
-    if model_status == highspy.HighsModelStatus.kInfeasible:
-        return RawResult("infeasible", None, None, None, None, 0.0, "HIGHS")
+    message = h.modelStatusToString(model_status)
     info = h.getInfo()
-    solution = h.getSolution()
+    if model_status == highspy.HighsModelStatus.kInfeasible:
+        return _HighsOutcome("infeasible", None, np.inf, np.inf, message, first[0], seed)
     if info.primal_solution_status != 2:  # no feasible point
-        message = h.modelStatusToString(model_status)
-        return RawResult("error", None, None, None, None, 0.0, "HIGHS", message)
-    x_val = np.round(np.asarray(solution.col_value[:n_b])).astype(int)
+        return _HighsOutcome("error", None, np.inf, info.mip_dual_bound, message, first[0], seed)
+    x_val = np.round(np.asarray(h.getSolution().col_value[:n_b])).astype(int)
     status = "optimal" if model_status == highspy.HighsModelStatus.kOptimal else "feasible"
+    return _HighsOutcome(
+        status, x_val, info.objective_function_value, info.mip_dual_bound, message, first[0],
+        seed,
+    )  # fmt: skip
+
+
+def _solve_highs(
+    f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, pins=None, workers=1
+):
+    """HiGHS through highspy (cvxpy's interface takes no start and reports no progress),
+    `workers` searches raced with different seeds: the first to finish wins; stopped by
+    the time limit, the best schedule and the best bound of all count."""
+
+    def run(seed, stop):
+        return _highs_search(
+            f, rhs, time_limit, gap, verbose, minimize_budget, start, pins, seed,
+            progress if seed == 0 else None, stop,
+        )  # fmt: skip
+
+    outcomes = race(run, workers, lambda o: o.status in ("optimal", "infeasible"))
+    if any(o.status == "infeasible" for o in outcomes):
+        return RawResult("infeasible", None, None, None, None, 0.0, "HIGHS")
+    found = [o for o in outcomes if o.x is not None]
+    if not found:
+        return RawResult("error", None, None, None, None, 0.0, "HIGHS", outcomes[0].message)
+    best = min(found, key=lambda o: o.objective)
+    bounds = [o.bound for o in outcomes if np.isfinite(o.bound)]
+    bound = max(bounds) if bounds else None  # each search's bound holds: the best counts
+    if progress is not None and best.seed != 0:
+        progress(f"the search with random seed {best.seed}, raced on another core, won")
+    proved = any(o.status == "optimal" for o in found)  # best is at most that one's
+    gap_value = None
+    if bound is not None:
+        gap_value = max(0.0, best.objective - bound) / max(abs(best.objective), 1e-12)
     res = _finish(
-        f, x_val, status, info.mip_dual_bound, info.mip_gap, gap, "HIGHS", minimize_budget
-    )
-    res.first_feasible_s = first[0]
+        f, best.x, "optimal" if proved else "feasible", bound, gap_value, gap, "HIGHS",
+        minimize_budget,
+    )  # fmt: skip
+    firsts = [o.first_s for o in outcomes if o.first_s is not None]
+    res.first_feasible_s = min(firsts) if firsts else None
     return res
 
 

@@ -1,0 +1,53 @@
+"""Racing searches with different seeds (monet_like/solver/race.py): the first finished
+wins and stops the others, a racer that dies costs nothing. HiGHS raced on a real
+problem: tests/test_solver.py."""
+
+import os
+import time
+
+from monet_like.solver.race import race
+
+
+def test_the_first_finished_search_wins_and_stops_the_others():
+    def run(seed, stop):
+        if seed == 0:  # this process's search: slow, until a racer has finished
+            deadline = time.perf_counter() + 30
+            while time.perf_counter() < deadline:
+                if stop is not None and stop():
+                    return ("interrupted", seed)
+                time.sleep(0.01)
+            return ("ran out", seed)
+        return ("proved", seed, os.getpid())
+
+    started = time.perf_counter()
+    outcomes = race(run, 2, lambda o: o[0] == "proved")
+    assert time.perf_counter() - started < 20  # interrupted, not run out
+    assert outcomes[0] == ("interrupted", 0)
+    assert outcomes[1][:2] == ("proved", 1) and outcomes[1][2] != os.getpid()
+
+
+def test_a_search_that_proves_first_does_not_wait_for_the_others():
+    def run(seed, stop):
+        if seed == 0:
+            return ("proved", 0)
+        time.sleep(60)  # stopped by the race, never awaited
+        return ("late", seed)
+
+    started = time.perf_counter()
+    assert race(run, 2, lambda o: o[0] == "proved") == [("proved", 0)]
+    assert time.perf_counter() - started < 30
+
+
+def test_a_racer_that_dies_leaves_this_process_searching():
+    def run(seed, stop):
+        if seed == 1:
+            os._exit(3)  # killed, say: no answer comes back
+        time.sleep(0.5)
+        assert stop is not None and not stop()  # a dead racer is no winner
+        return ("stopped by its time limit", seed)
+
+    assert race(run, 2, lambda o: False) == [("stopped by its time limit", 0)]
+
+
+def test_one_worker_runs_here_alone():
+    assert race(lambda seed, stop: (seed, stop), 1, lambda o: True) == [(0, None)]
