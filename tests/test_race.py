@@ -49,5 +49,16 @@ def test_a_racer_that_dies_leaves_this_process_searching():
     assert race(run, 2, lambda o: False) == [("stopped by its time limit", 0)]
 
 
+def test_a_racer_that_stops_unproved_does_not_stop_this_search():
+    def run(seed, stop):
+        if seed == 1:
+            return ("gave up", seed)  # at once, with nothing proved
+        time.sleep(1.0)
+        assert stop is not None and not stop()
+        return ("proved", seed)
+
+    assert race(run, 2, lambda o: o[0] == "proved") == [("proved", 0), ("gave up", 1)]
+
+
 def test_one_worker_runs_here_alone():
     assert race(lambda seed, stop: (seed, stop), 1, lambda o: True) == [(0, None)]
