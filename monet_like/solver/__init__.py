@@ -84,7 +84,7 @@ def min_feasible_budget(
     when the full solve finds nothing better before its limit."""
     if depth is None and not ablation:
         started = time.perf_counter()
-        compact = min_feasible_budget(
+        compact = _min_budget(
             problem, DEFAULT_DEPTH, ablation, solver, time_limit and time_limit / 2
         )
         remaining = time_limit and max(1.0, time_limit - (time.perf_counter() - started))

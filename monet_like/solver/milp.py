@@ -834,12 +834,9 @@ def _solve_highs(
     if progress is not None and best.seed != 0:
         progress(f"the search with random seed {best.seed}, raced on another core, won")
     proved = any(o.status == "optimal" for o in found)  # best is at most that one's
-    gap_value = None
-    if bound is not None:
-        gap_value = max(0.0, best.objective - bound) / max(abs(best.objective), 1e-12)
     res = _finish(
-        f, best.x, "optimal" if proved else "feasible", bound, gap_value, gap, "HIGHS",
-        minimize_budget,
+        f, best.x, "optimal" if proved else "feasible", bound,
+        relative_gap(best.objective, bound), gap, "HIGHS", minimize_budget,
     )  # fmt: skip
     firsts = [o.first_s for o in outcomes if o.first_s is not None]
     res.first_feasible_s = min(firsts) if firsts else None

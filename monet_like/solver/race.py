@@ -74,11 +74,15 @@ def race(
         return [run(0, None)]
     ctx = mp.get_context("fork")
     racers = [_Racer(ctx, run, seed) for seed in range(1, workers)]
+
+    def a_racer_proved() -> bool:
+        return any(r.finished() and proved(r.outcome) for r in racers)
+
     try:
         # Only a racer that proved its answer stops ours: one that failed early, or ran
         # out of time a moment sooner, must not cut our search short.
-        own = run(0, lambda: any(r.finished() and proved(r.outcome) for r in racers))
-        if not proved(own) and not any(r.finished() and proved(r.outcome) for r in racers):
+        own = run(0, a_racer_proved)
+        if not proved(own) and not a_racer_proved():
             # stopped by its time limit: the others, started with it, stop at theirs
             for r in racers:
                 r.finished(RACE_GRACE_S)
