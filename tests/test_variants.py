@@ -205,8 +205,10 @@ def test_variants_lower_the_smallest_budget_and_are_never_slower(resnet_newnode)
     # needed by neither the max-pool's backward nor its own. Under rows that counted every
     # saved value to the end of its stage that made the smallest step 3 MiB smaller;
     # with rows that follow each value to its last reader, normal mode reaches the same
-    # smallest step here. Never larger:
-    assert low_newnode <= low_normal
+    # smallest step here. Never larger than the solver's tolerance: each smallest budget is
+    # solved to a 0.1% gap, so the two may land on either side of an equal optimum (a CI
+    # run found newnode's 81 kB above normal's 111.08 MB).
+    assert low_newnode <= low_normal * (1 + 1e-3)
     for budget in (low_normal, (low_normal + normal.store_all_peak_bytes) // 2):
         plain = solve(captured, reference, budget)
         chosen = solve(graph, prof, budget, mode="newnode", baseline=(captured, reference))
