@@ -62,3 +62,28 @@ def test_a_racer_that_stops_unproved_does_not_stop_this_search():
 
 def test_one_worker_runs_here_alone():
     assert race(lambda seed, stop: (seed, stop), 1, lambda o: True) == [(0, None)]
+
+
+def test_a_search_that_cannot_be_interrupted_runs_every_seed_in_a_racer():
+    def run(seed, stop):
+        assert stop is None  # nothing to poll: the racer is terminated instead
+        if seed == 0:
+            time.sleep(60)  # stopped by the race, never awaited
+            return ("late", seed)
+        if seed == 1:
+            os._exit(3)  # dies: no answer
+        return ("proved", seed, os.getpid())
+
+    started = time.perf_counter()
+    outcomes = race(run, 3, lambda o: o[0] == "proved", interruptible=False)
+    assert time.perf_counter() - started < 30
+    assert [o[:2] for o in outcomes] == [("proved", 2)] and outcomes[0][2] != os.getpid()
+
+
+def test_racers_that_all_stop_unproved_all_answer_in_seed_order():
+    def run(seed, stop):
+        time.sleep(0.2 * (2 - seed))
+        return ("stopped by its time limit", seed)
+
+    outcomes = race(run, 2, lambda o: False, interruptible=False)
+    assert outcomes == [("stopped by its time limit", 0), ("stopped by its time limit", 1)]

@@ -21,6 +21,8 @@ from monet_like.solver import (
 )
 from monet_like.solver.milp import (
     _cbc_bound_before_restart,
+    _rhs_for,
+    _shuffled,
     evaluate,
     formulate,
     is_feasible,
@@ -334,6 +336,38 @@ def test_raced_highs_agrees_with_one_search_and_keeps_the_best_bound(resnet18_pr
     smallest = [solve_formulation(f, None, "HIGHS", 120, workers=w) for w in (1, 2)]
     peaks = [evaluate(f, r.x_bool)["peak_bytes"] for r in smallest]
     assert peaks[1] == pytest.approx(peaks[0], rel=2e-3)
+
+
+def test_a_shuffled_copy_solves_to_the_same_schedules(resnet18_problem):
+    """CBC takes no random seed: a raced CBC search solves the problem with its columns
+    and rows in another order; its schedule comes back in the problem's own order,
+    pinned columns pinned."""
+    _, _, problem, low = resnet18_problem
+    f = formulate(problem, DEFAULT_DEPTH)
+    budget = int(low + 0.3 * (problem.store_all_peak_bytes - low))
+    alone = solve_formulation(f, budget, "HIGHS", 120, workers=1)
+    pins = (f.keep[:8], alone.x_bool[f.keep[:8]])
+    g, rhs_g, pins_g, order = _shuffled(f, _rhs_for(f, budget), pins, seed=1)
+    assert not np.array_equal(order, np.arange(f.n_bool))
+    assert np.array_equal(rhs_g, _rhs_for(g, budget))
+    shuffled = solve_formulation(g, budget, "HIGHS", 120, pins=pins_g, workers=1)
+    x = shuffled.x_bool[np.argsort(order)]
+    assert np.array_equal(x[pins[0]], pins[1])
+    assert float(f.cost @ x) * 1e-3 == pytest.approx(shuffled.objective)
+    assert shuffled.objective == pytest.approx(alone.objective, rel=2e-3)
+    assert evaluate(f, x)["peak_bytes"] <= budget
+
+
+def test_raced_cbc_agrees_with_one_search(resnet18_problem):
+    _, _, problem, low = resnet18_problem
+    f = formulate(problem, DEFAULT_DEPTH)
+    budget = int(low + 0.3 * (problem.store_all_peak_bytes - low))
+    alone = solve_formulation(f, budget, "CBC", 120, workers=1)
+    raced = solve_formulation(f, budget, "CBC", 120, workers=2)
+    assert alone.status == raced.status == "optimal"
+    assert raced.objective == pytest.approx(alone.objective, rel=2e-3)
+    assert evaluate(f, raced.x_bool)["peak_bytes"] <= budget
+    assert raced.bound is None or raced.bound <= alone.objective + 1e-9
 
 
 def test_cbc_reports_a_bound_that_holds(resnet18_problem):

@@ -7,7 +7,9 @@ it; whichever proves its answer first ends the race. Stopped by a time limit, bo
 answers come back and the caller keeps the best schedule and the best bound.
 
 Seed 0 runs in this process (its progress is the one shown); the others in forked
-processes, which share the problem without copying it.
+processes, which share the problem without copying it. A search that cannot be
+interrupted (CBC through cylp) runs every seed in a forked process, and this one waits
+for the first to prove its answer.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from typing import Any
 
 RACE_GRACE_S = 5.0  # how long a search stopped by its time limit waits for the others'
@@ -32,17 +35,17 @@ class _Racer:
     def __init__(self, ctx, run: Callable[[int, Any], Any], seed: int) -> None:
         self.outcome = None
         self.done = False
-        self._recv, send = ctx.Pipe(duplex=False)
+        self.pipe, send = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=_race, args=(run, seed, send), daemon=True)
         self.process.start()
         send.close()  # ours: the pipe then reads EOF if the racer dies without an answer
 
     def finished(self, wait_s: float = 0.0) -> bool:
         """Whether the racer has sent its answer (read into `outcome`)."""
-        if not self.done and self._recv.poll(wait_s):
+        if not self.done and self.pipe.poll(wait_s):
             self.done = True
             try:
-                self.outcome = self._recv.recv()
+                self.outcome = self.pipe.recv()
             except (EOFError, OSError):  # it died (killed, out of memory): no answer
                 self.outcome = None
         return self.outcome is not None
@@ -51,7 +54,7 @@ class _Racer:
         if self.process.is_alive():
             self.process.terminate()
         self.process.join()
-        self._recv.close()
+        self.pipe.close()
 
 
 def _race(run: Callable[[int, Any], Any], seed: int, send) -> None:
@@ -65,14 +68,18 @@ def race(
     run: Callable[[int, Callable[[], bool] | None], Any],
     workers: int,
     proved: Callable[[Any], bool],
+    interruptible: bool = True,
 ) -> list[Any]:
     """`run(seed, stop)` solves with that seed, polling `stop()` (None: never stopped)
     and returns its outcome; `proved(outcome)` says whether it finished its search
     (then the other racers are not waited for). Returns the outcomes received, this
-    process's first."""
+    process's first. Not `interruptible`: every seed runs in a forked process; the
+    outcomes come back in seed order (a racer that died has none)."""
     if workers <= 1 or "fork" not in mp.get_all_start_methods():
         return [run(0, None)]
     ctx = mp.get_context("fork")
+    if not interruptible:
+        return _race_forked(ctx, run, workers, proved)
     racers = [_Racer(ctx, run, seed) for seed in range(1, workers)]
 
     def a_racer_proved() -> bool:
@@ -87,6 +94,24 @@ def race(
             for r in racers:
                 r.finished(RACE_GRACE_S)
         return [own] + [r.outcome for r in racers if r.finished()]
+    finally:
+        for r in racers:
+            r.stop()
+
+
+def _race_forked(ctx, run, workers: int, proved) -> list[Any]:
+    """Every seed in a forked process; this one waits until one has proved its answer
+    or all have stopped."""
+    racers = [_Racer(ctx, run, seed) for seed in range(workers)]
+    try:
+        while True:
+            waiting = [r for r in racers if not r.done]
+            if not waiting:
+                break
+            wait([r.pipe for r in waiting])
+            if any(r.finished() and proved(r.outcome) for r in waiting):
+                break
+        return [r.outcome for r in racers if r.finished()]
     finally:
         for r in racers:
             r.stop()

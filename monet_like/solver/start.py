@@ -203,7 +203,9 @@ def reschedule(f: Formulation, x: np.ndarray, budget_bytes: int, solver: str) ->
     where that finds nothing cheaper within `RESCHEDULE_TIME_LIMIT`."""
     solver = solver if solver in ("HIGHS", "CBC") else "HIGHS"
     pins = (f.keep, x[f.keep])
-    raw = solve_formulation(f, budget_bytes, solver, RESCHEDULE_TIME_LIMIT, start=x, pins=pins)
+    raw = solve_formulation(
+        f, budget_bytes, solver, RESCHEDULE_TIME_LIMIT, start=x, pins=pins, workers=1
+    )  # a small problem once the keep columns are pinned: not raced
     better = raw.x_bool
     if better is None or float(f.cost @ better) >= float(f.cost @ x):
         return x
