@@ -602,6 +602,7 @@ def solve_formulation(
     `workers`: HiGHS or CBC searches raced with different seeds (default `race_workers(f)`).
     """
     rhs = _rhs_for(f, budget_bytes)
+    workers = race_workers(f) if workers is None else workers  # HiGHS and CBC race
     started = time.perf_counter()
     if solver == "PULP":
         if budget_bytes is None:
@@ -609,12 +610,10 @@ def solve_formulation(
         res = _solve_pulp(f, rhs, time_limit, gap, verbose, start)
     elif solver == "HIGHS":
         minimize_budget = budget_bytes is None
-        workers = race_workers(f) if workers is None else workers
         res = _solve_highs(
             f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, pins, workers
         )
     elif solver == "CBC":
-        workers = race_workers(f) if workers is None else workers
         res = _solve_cbc(f, rhs, time_limit, gap, verbose, budget_bytes is None, pins, workers)
     else:
         res = _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, budget_bytes is None)
