@@ -22,6 +22,8 @@ from monet_like.solver import (
 from monet_like.solver.milp import (
     MS,
     _cbc_bound_before_restart,
+    _CbcLogWatch,
+    _pulp_bound,
     _rhs_for,
     _shuffled,
     evaluate,
@@ -323,7 +325,7 @@ def test_start_schedules_are_feasible_down_near_the_smallest_budget(resnet18_pro
     assert found["LP rounding"] == 4 and found["greedy"] >= 2
 
 
-@pytest.mark.parametrize("solver", ["HIGHS", "CBC"])
+@pytest.mark.parametrize("solver", ["HIGHS", "CBC", "PULP"])  # PuLP: CBC's own threads
 def test_raced_searches_agree_with_one_search_and_keep_a_bound_that_holds(resnet18_problem, solver):
     _, _, problem, low = resnet18_problem
     f = formulate(problem, DEFAULT_DEPTH)
@@ -333,7 +335,7 @@ def test_raced_searches_agree_with_one_search_and_keep_a_bound_that_holds(resnet
     assert alone.status == raced.status == "optimal"
     assert raced.objective == pytest.approx(alone.objective, rel=2e-3)  # both within 0.1%
     for result, other in ((raced, alone), (alone, raced)):
-        if solver == "HIGHS":  # HiGHS always reports one; CBC's may be unknown
+        if solver != "CBC":  # HiGHS and PuLP's log always give one; cylp's CBC may not
             assert result.bound is not None
         assert result.bound is None or result.bound <= other.objective + 1e-9
     assert evaluate(f, raced.x_bool)["peak_bytes"] <= budget
@@ -394,6 +396,59 @@ Cbc0001I Search completed - best objective 3148.115221170883, took 5133 iteratio
 
 def test_cbc_bound_is_read_from_before_its_restart():
     assert _cbc_bound_before_restart(CBC_RESTART_LOG) == pytest.approx(2996.2341)
+
+
+def test_pulp_bound_is_the_summary_s_unless_it_restarted_or_finished():
+    stopped = "Result - Stopped on time limit\n\nObjective value: 2556.14\nLower bound: 2511.257\n"
+    assert _pulp_bound(stopped, False, 2556.14, 1e-3) == pytest.approx(2511.257)
+    assert _pulp_bound(CBC_RESTART_LOG, True, 3148.1152, 1e-3) == pytest.approx(2996.2341)
+    assert _pulp_bound("Result - Optimal solution found\n", True, 100.0, 1e-3) == 99.9
+
+
+def test_cbc_log_watch_shows_each_better_schedule_with_the_bound(tmp_path):
+    """PuLP's CBC runs in a child process: its progress is read from the log it writes,
+    to the last line (written without a newline) once it ends."""
+    path = tmp_path / "cbc.log"
+    lines = []
+    watch = _CbcLogWatch(str(path), lines.append)
+    path.write_text(
+        "Cbc0010I After 0 nodes, 1 on tree, 1e+50 best solution, best possible 2000.4"
+        " (3.10 seconds)\n"
+        "Cbc0012I Integer solution of 2600.9784 found by feasibility pump after 0 iterations"
+        " and 0 nodes (13.04 seconds)\n"
+        "Cbc0012I Integer solution of 2600.9784 found by heuristic after 9 iterations and 0 nodes"
+        " (13.12 seconds)\n"
+        "Cbc0004I Integer solution of 2580.4 found after 2661 iterations and 7 nodes"
+        " (23.43 seconds)"
+    )
+    assert watch.close().endswith("(23.43 seconds)")
+    assert watch.first_s == pytest.approx(13.04)
+    assert lines == [
+        "[  13.0 s] schedule with 2.601 s of recomputation; bound 2.000 s, gap 23.09%",
+        "[  23.4 s] schedule with 2.580 s of recomputation; bound 2.000 s, gap 22.48%",
+    ]
+
+
+@pytest.mark.parametrize("time_limit", [0.5, 1, 120])
+def test_pulp_stopped_or_finished_keeps_a_bound_that_holds(resnet18_problem, time_limit):
+    """PuLP's CBC on two threads, stopped early or not: a schedule it returns fits and
+    costs at least the optimum, its bound is at most the optimum, and "optimal" means
+    within the tolerance. CBC stopped before its first schedule returns none (it writes
+    the relaxation's point then, which a schedule must not be taken for)."""
+    _, _, problem, low = resnet18_problem
+    f = formulate(problem, DEFAULT_DEPTH)
+    budget = int(low + 0.05 * (problem.store_all_peak_bytes - low))
+    best = solve_formulation(f, budget, "HIGHS", 120, workers=1).objective
+    lines = []
+    res = solve_formulation(f, budget, "PULP", time_limit, workers=2, progress=lines.append)
+    if res.x_bool is None:
+        assert res.status == "error" and time_limit < 120, res
+        return
+    assert evaluate(f, res.x_bool)["peak_bytes"] <= budget
+    assert res.objective >= best * (1 - 1e-3) - 1e-9
+    assert res.bound is not None and res.bound <= best + 1e-9
+    assert (res.status == "optimal") == (res.gap <= 1e-3 * (1 + 1e-9))
+    assert any(f"{res.objective:.3f} s of recomputation" in line for line in lines), lines
     no_restart = CBC_RESTART_LOG.split("Cbc0044I")[0]
     assert _cbc_bound_before_restart(no_restart) == pytest.approx(2996.2341)
     assert _cbc_bound_before_restart("Continuous objective value is 1e3 - 0.1 seconds") == 1e3

@@ -25,7 +25,10 @@ The matrix is built once, sparse, and handed to HiGHS (highspy), CBC (cylp), Gur
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
+import threading
 import time
 import warnings
 from bisect import bisect_right
@@ -43,6 +46,7 @@ from monet_like.solver.race import available_cores, race
 
 MIB = float(2**20)  # bytes are scaled to MiB inside the matrix: better conditioned
 MS = 1e-3  # times scaled to milliseconds
+_NUMBER = r"([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"  # a number in a solver's log
 STARTABLE = ("HIGHS", "PULP")  # take a start schedule (cylp's CBC interface has no MIP start)
 
 
@@ -607,7 +611,7 @@ def solve_formulation(
     if solver == "PULP":
         if budget_bytes is None:
             raise ValueError("the min-memory problem is solved through HiGHS or cvxpy")
-        res = _solve_pulp(f, rhs, time_limit, gap, verbose, start)
+        res = _solve_pulp(f, rhs, time_limit, gap, verbose, start, progress, workers)
     elif solver == "HIGHS":
         minimize_budget = budget_bytes is None
         res = _solve_highs(
@@ -1021,11 +1025,10 @@ def _cbc_bound_before_restart(log: str) -> float | None:
     """The best bound CBC's log shows before its first restart (None: none shown): the
     LP relaxation, the root bound after cuts, the tree's best possible."""
     before = log.split("Cbc0044I", 1)[0]
-    number = r"([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
     patterns = (
-        rf"Continuous objective value is {number}",
-        rf"Cbc0013I At root node, .*? to {number} in",
-        rf"best possible {number}",
+        rf"Continuous objective value is {_NUMBER}",
+        rf"Cbc0013I At root node, .*? to {_NUMBER} in",
+        rf"best possible {_NUMBER}",
     )
     found = [float(v) for p in patterns for v in re.findall(p, before)]
     return max(found) if found else None
@@ -1074,13 +1077,89 @@ def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, minimize_budget=False
     return _finish(f, x_val, status, bound, gap_value, gap, solver, minimize_budget)
 
 
-def _solve_pulp(f, rhs, time_limit, gap, verbose, start) -> RawResult:
+def _solve_pulp(f, rhs, time_limit, gap, verbose, start, progress, threads) -> RawResult:
     with warnings.catch_warnings():  # PuLP 3 warns about its own 4.0 API change
         warnings.simplefilter("ignore", DeprecationWarning)
-        return _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start)
+        return _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start, progress, threads)
 
 
-def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start) -> RawResult:
+_CBC_SCHEDULE = re.compile(
+    rf"Cbc00(?:04|12)I Integer solution of {_NUMBER} found.*?\({_NUMBER} seconds\)"
+)
+_CBC_POSSIBLE = re.compile(rf"best possible {_NUMBER}")
+
+
+class _CbcLogWatch:
+    """Follows the log that PuLP's CBC writes while it runs, for progress lines
+    (CBC's binary runs in a child process PuLP waits on)."""
+
+    def __init__(self, path: str, progress: Callable[[str], None] | None) -> None:
+        self.path, self.progress = path, progress
+        self.first_s: float | None = None  # CBC's clock at its first schedule
+        self._best, self._bound, self._done = np.inf, None, threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        while not os.path.exists(self.path) and not self._done.wait(0.2):
+            pass
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as log:
+            pending = ""
+            while True:
+                finished = self._done.wait(0.5)  # then one last read of what CBC wrote
+                pending += log.read()
+                *lines, pending = pending.split("\n")
+                for line in lines + ([pending] if finished else []):
+                    self._line(line)
+                if finished:
+                    return
+
+    def _line(self, line: str) -> None:
+        if found := _CBC_POSSIBLE.search(line):
+            self._bound = float(found.group(1))
+        if (found := _CBC_SCHEDULE.search(line)) is None:
+            return
+        objective, at = float(found.group(1)), float(found.group(2))
+        if self.first_s is None:
+            self.first_s = at
+        if objective >= self._best - 1e-9:
+            return
+        self._best = objective
+        if self.progress is not None:
+            gap = relative_gap(objective, self._bound)
+            self.progress(
+                f"[{at:6.1f} s] schedule with {objective * MS:.3f} s of recomputation"
+                + ("" if gap is None else f"; bound {self._bound * MS:.3f} s, gap {gap:.2%}")
+            )
+
+    def close(self) -> str:
+        """Stop following; the whole log."""
+        self._done.set()
+        self._thread.join()
+        if not os.path.exists(self.path):
+            return ""
+        with open(self.path) as log:
+            return log.read()
+
+
+def _pulp_bound(log: str, proved: bool, objective_ms: float, gap: float) -> float | None:
+    """The bound (ms) that CBC's log proves: its summary's lower bound, only the one
+    shown before a restart where it restarted (see _cbc_run); for a finished search
+    without a restart, its schedule less the tolerance it pruned with."""
+    if "Cbc0044I" in log:
+        return _cbc_bound_before_restart(log)
+    if proved:
+        return objective_ms * (1 - gap)
+    found = re.findall(rf"Lower bound:\s+{_NUMBER}", log)
+    return float(found[-1]) if found else _cbc_bound_before_restart(log)
+
+
+def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start, progress, threads) -> RawResult:
+    """The formulation written row by row into PuLP and solved by its bundled CBC
+    binary: unlike CBC through cylp, it takes a start (-mipstart) and runs its search on
+    `threads` threads; its bound and its schedules are read from CBC's log."""
     import pulp
 
     prob = pulp.LpProblem("monet_like", pulp.LpMinimize)
@@ -1100,24 +1179,42 @@ def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start) -> RawResult:
     if start is not None:  # CBC's -mipstart: it completes the continuous columns itself
         for v, value in zip(xb, start, strict=True):
             v.setInitialValue(int(value))
-    cmd = pulp.PULP_CBC_CMD(
-        msg=verbose, timeLimit=time_limit, gapRel=gap, warmStart=start is not None
-    )
-    prob.solve(cmd)
+    with tempfile.TemporaryDirectory(prefix="monet_like_cbc_") as folder:
+        log_path = os.path.join(folder, "cbc.log")
+        cmd = pulp.PULP_CBC_CMD(
+            msg=False, timeLimit=time_limit, gapRel=gap, warmStart=start is not None,
+            threads=threads if threads > 1 else None, logPath=log_path,
+        )  # fmt: skip
+        watch = _CbcLogWatch(log_path, progress)
+        try:
+            prob.solve(cmd)
+        finally:
+            log = watch.close()
+    if verbose:
+        print(log, end="", flush=True)
     status = pulp.LpStatus[prob.status]
     if status == "Infeasible":
         return RawResult("infeasible", None, None, None, None, 0.0, "PULP")
-    if any(v.varValue is None for v in xb):
+    # PuLP writes no column that is in no row and costs nothing, and so reads no value
+    # for it back: any value fits such a column, 0 is taken.
+    used = (np.diff(f.a_bool.tocsc().indptr) > 0) | (f.cost != 0)
+    # Stopped without a schedule, CBC still writes a point (the relaxation's): not one.
+    no_schedule = prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if no_schedule or any(v.varValue is None for v, u in zip(xb, used, strict=True) if u):
         message = f"no schedule found (CBC status {status}, solution status {prob.sol_status})"
         if time_limit:
             message += f" within the time limit of {time_limit:g} s: give it more time or use HIGHS"
         return RawResult("error", None, None, None, None, 0.0, "PULP", message)
-    x_val = np.array([round(v.varValue) for v in xb], dtype=int)
-    objective = float(f.cost @ x_val) * MS
-    final = "optimal" if status == "Optimal" and prob.sol_status == 1 else "feasible"
-    # Finished within gapRel: that tolerance bounds the gap (PuLP reports no bound).
-    bound_gap = 0.0 if objective == 0 else (gap if final == "optimal" else None)
-    return RawResult(final, x_val, objective, None, bound_gap, 0.0, "PULP")
+    x_val = np.array([round(v.varValue or 0) for v in xb], dtype=int)
+    objective_ms = float(f.cost @ x_val)
+    finished = prob.sol_status == pulp.LpSolutionOptimal and "Cbc0044I" not in log
+    bound = _pulp_bound(log, finished, objective_ms, gap)
+    gap_value = relative_gap(objective_ms, bound)
+    proved = finished or (gap_value is not None and gap_value <= gap * (1 + 1e-9))
+    res = _finish(f, x_val, "optimal" if proved else "feasible", bound, gap_value, gap, "PULP",
+                  False)  # fmt: skip
+    res.first_feasible_s = watch.first_s
+    return res
 
 
 @dataclass(frozen=True)
