@@ -603,10 +603,11 @@ def solve_formulation(
     that take one (HiGHS, PuLP's CBC); with a start the first feasible time is 0.
     `progress` receives one line per improved schedule where the solver reports them.
     `pins` = (columns, values) fixes some binary columns (HiGHS and CBC).
-    `workers`: HiGHS or CBC searches raced with different seeds (default `race_workers(f)`).
+    `workers`: HiGHS or CBC searches raced with different seeds, or the threads of PuLP's
+    CBC (default `race_workers(f)`).
     """
     rhs = _rhs_for(f, budget_bytes)
-    workers = race_workers(f) if workers is None else workers  # HiGHS and CBC race
+    workers = race_workers(f) if workers is None else workers  # races; PuLP: threads
     started = time.perf_counter()
     if solver == "PULP":
         if budget_bytes is None:
