@@ -404,6 +404,10 @@ Cbc0001I Search completed - best objective 3148.115221170883, took 5133 iteratio
 
 def test_cbc_bound_is_read_from_before_its_restart():
     assert _cbc_bound_before_restart(CBC_RESTART_LOG) == pytest.approx(2996.2341)
+    no_restart = CBC_RESTART_LOG.split("Cbc0044I")[0]
+    assert _cbc_bound_before_restart(no_restart) == pytest.approx(2996.2341)
+    assert _cbc_bound_before_restart("Continuous objective value is 1e3 - 0.1 seconds") == 1e3
+    assert _cbc_bound_before_restart("") is None
 
 
 def test_pulp_bound_is_the_summary_s_unless_it_restarted_or_finished():
@@ -457,10 +461,6 @@ def test_pulp_stopped_or_finished_keeps_a_bound_that_holds(resnet18_problem, tim
     assert res.bound is not None and res.bound <= best + 1e-9
     assert (res.status == "optimal") == (res.gap <= 1e-3 * (1 + 1e-9))
     assert any(f"{res.objective:.3f} s of recomputation" in line for line in lines), lines
-    no_restart = CBC_RESTART_LOG.split("Cbc0044I")[0]
-    assert _cbc_bound_before_restart(no_restart) == pytest.approx(2996.2341)
-    assert _cbc_bound_before_restart("Continuous objective value is 1e3 - 0.1 seconds") == 1e3
-    assert _cbc_bound_before_restart("") is None
 
 
 @pytest.mark.parametrize("bound_fraction", [None, 0.5])
