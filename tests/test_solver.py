@@ -412,7 +412,13 @@ def test_cbc_bound_is_read_from_before_its_restart():
 
 def test_pulp_bound_is_the_summary_s_unless_it_restarted_or_finished():
     stopped = "Result - Stopped on time limit\n\nObjective value: 2556.14\nLower bound: 2511.257\n"
-    assert _pulp_bound(stopped, False, 2556.14, 1e-3) == pytest.approx(2511.257)
+    # The summary prints a rounded bound: the least value that prints so is taken.
+    assert _pulp_bound(stopped, False, 2556.14, 1e-3) == pytest.approx(2511.2565, abs=1e-9)
+    rounded_up = (
+        "Result - Stopped on time limit\n\nObjective value: 2.86055499\nLower bound: 2.861\n"
+    )
+    assert _pulp_bound(rounded_up, False, 2.86055499, 1e-3) == pytest.approx(2.8605, abs=1e-12)
+    assert _pulp_bound("Lower bound: 1.5e+03\n", False, 2e3, 1e-3) == pytest.approx(1450)
     assert _pulp_bound(CBC_RESTART_LOG, True, 3148.1152, 1e-3) == pytest.approx(2996.2341)
     assert _pulp_bound("Result - Optimal solution found\n", True, 100.0, 1e-3) == 99.9
 

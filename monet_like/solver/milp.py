@@ -1154,7 +1154,16 @@ def _pulp_bound(log: str, proved: bool, objective_ms: float, gap: float) -> floa
     if proved:
         return objective_ms * (1 - gap)
     found = re.findall(rf"Lower bound:\s+{_NUMBER}", log)
-    return float(found[-1]) if found else _cbc_bound_before_restart(log)
+    return _least_printed_as(found[-1]) if found else _cbc_bound_before_restart(log)
+
+
+def _least_printed_as(printed: str) -> float:
+    """The least value that rounds to `printed`: CBC's summary prints its bound to a few
+    digits ("Lower bound: 2.861" for a bound of 2.86055 ms), which can put it above the
+    optimum."""
+    mantissa, _, exponent = printed.lower().partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    return float(printed) - 0.5 * 10.0 ** (int(exponent or 0) - decimals)
 
 
 def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start, progress, threads) -> RawResult:
