@@ -1029,7 +1029,7 @@ def _cbc_bound_before_restart(log: str) -> float | None:
     patterns = (
         rf"Continuous objective value is {_NUMBER}",
         rf"Cbc0013I At root node, .*? to {_NUMBER} in",
-        rf"best possible {_NUMBER}",
+        _CBC_POSSIBLE.pattern,
     )
     found = [float(v) for p in patterns for v in re.findall(p, before)]
     return max(found) if found else None
@@ -1098,6 +1098,7 @@ class _CbcLogWatch:
         self.path, self.progress = path, progress
         self.first_s: float | None = None  # CBC's clock at its first schedule
         self._best, self._bound, self._done = np.inf, None, threading.Event()
+        self._text: list[str] = []  # the log as read
         self._thread = threading.Thread(target=self._follow, daemon=True)
         self._thread.start()
 
@@ -1110,7 +1111,9 @@ class _CbcLogWatch:
             pending = ""
             while True:
                 finished = self._done.wait(0.5)  # then one last read of what CBC wrote
-                pending += log.read()
+                chunk = log.read()
+                self._text.append(chunk)
+                pending += chunk
                 *lines, pending = pending.split("\n")
                 for line in lines + ([pending] if finished else []):
                     self._line(line)
@@ -1139,10 +1142,7 @@ class _CbcLogWatch:
         """Stop following; the whole log."""
         self._done.set()
         self._thread.join()
-        if not os.path.exists(self.path):
-            return ""
-        with open(self.path) as log:
-            return log.read()
+        return "".join(self._text)
 
 
 def _pulp_bound(log: str, proved: bool, objective_ms: float, gap: float) -> float | None:
@@ -1205,16 +1205,14 @@ def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start, progress, threads
     status = pulp.LpStatus[prob.status]
     if status == "Infeasible":
         return RawResult("infeasible", None, None, None, None, 0.0, "PULP")
-    # PuLP writes no column that is in no row and costs nothing, and so reads no value
-    # for it back: any value fits such a column, 0 is taken.
-    used = (np.diff(f.a_bool.tocsc().indptr) > 0) | (f.cost != 0)
     # Stopped without a schedule, CBC still writes a point (the relaxation's): not one.
-    no_schedule = prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    if no_schedule or any(v.varValue is None for v, u in zip(xb, used, strict=True) if u):
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         message = f"no schedule found (CBC status {status}, solution status {prob.sol_status})"
         if time_limit:
             message += f" within the time limit of {time_limit:g} s: give it more time or use HIGHS"
         return RawResult("error", None, None, None, None, 0.0, "PULP", message)
+    # PuLP reads back every column it wrote (0 where CBC's file omits it), and writes none
+    # that is in no row and costs nothing: any value fits such a column, 0 is taken.
     x_val = np.array([round(v.varValue or 0) for v in xb], dtype=int)
     objective_ms = float(f.cost @ x_val)
     finished = prob.sol_status == pulp.LpSolutionOptimal and "Cbc0044I" not in log
