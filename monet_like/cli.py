@@ -239,6 +239,12 @@ def build_solve_parser() -> argparse.ArgumentParser:
         " a candidate and each input freed after its last recomputed reader",
     )
     p.add_argument("--depth", type=positive_int, default=None, help="compact: recompute depth")
+    p.add_argument(
+        "--frees",
+        action="store_true",
+        help="compact: free each recomputed input after its last reader, as the full"
+        " formulation does (smaller budgets reachable; slower solves)",
+    )
     p.add_argument("--input_shape", help="per-sample input shape without batch, e.g. 3,224,224")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
@@ -285,6 +291,7 @@ def cmd_solve(args) -> dict:
     print(
         f"solving: budget {args.budget_gb:g} GB, mode {args.mode}, {args.solver.upper()},"
         f" {args.formulation} formulation"
+        + (" with frees" if args.frees and args.formulation == "compact" else "")
         + (f", time limit {args.time_limit:g} s" if args.time_limit else ""),
         flush=True,
     )
@@ -298,6 +305,7 @@ def cmd_solve(args) -> dict:
         formulation=args.formulation,
         depth=args.depth,
         ablation=args.ablation,
+        frees=args.frees,
         verbose=args.verbose,
         progress=lambda line: print(f"  {line}", flush=True),
         baseline=baseline,

@@ -48,6 +48,12 @@ def main() -> None:
     ap.add_argument("--budgets", default="10,8,6,5")
     ap.add_argument("--time_limit", type=float, default=120)
     ap.add_argument("--out", default="out")
+    ap.add_argument(
+        "--frees", action="store_true", help="compact formulation with frees (solve.py --frees)"
+    )
+    ap.add_argument(
+        "--min_budget_time_limit", type=float, default=300, help="seconds per smallest budget"
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -70,7 +76,9 @@ def main() -> None:
             baseline = (captured, reference) if graph.variants else None
             problem = build_problem(graph, prof, reference=baseline and reference)
             t1 = time.perf_counter()
-            smallest = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+            smallest = min_feasible_budget(
+                problem, DEFAULT_DEPTH, False, "HIGHS", args.min_budget_time_limit, args.frees
+            )
             min_budget_s = time.perf_counter() - t1
             row = {
                 "model": name,
@@ -81,6 +89,7 @@ def main() -> None:
                 "store_all_time_s": problem.store_all_time_s,
                 "profile_s": t1 - t0,
                 "min_budget_solve_s": min_budget_s,
+                "frees": args.frees,
             }
             cells = []
             for budget in (float(b) for b in args.budgets.split(",")):
@@ -91,6 +100,7 @@ def main() -> None:
                         int(budget * GIB),
                         mode=mode,
                         time_limit=args.time_limit,
+                        frees=args.frees,
                         baseline=baseline,
                     )
                     # Against the store-all step of the graph the schedule runs on, from the

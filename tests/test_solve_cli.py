@@ -44,10 +44,11 @@ def budget_between(expression, batch, shape, fraction, input_grad=False) -> str:
     return f"{budget / 2**30:.6f}"
 
 
-def test_solve_writes_a_solution_within_budget(tmp_path):
+@pytest.mark.parametrize("frees", [[], ["--frees"]])
+def test_solve_writes_a_solution_within_budget(tmp_path, frees):
     out = tmp_path / "s.json"
     budget = budget_between(MODEL[0], 16, (3, 64, 64), 0.3)
-    r = run(*MODEL, budget, "normal", "CBC", *SMALL, "--output", str(out))
+    r = run(*MODEL, budget, "normal", "CBC", *SMALL, "--output", str(out), *frees)
     assert r.returncode == 0, r.stderr
     report = last_json(r)
     for key in (
@@ -66,6 +67,7 @@ def test_solve_writes_a_solution_within_budget(tmp_path):
     sol = load(out)
     assert sol.model == MODEL[0] and sol.batch == 16 and sol.input_shape == (3, 64, 64)
     assert sol.mode == "normal" and sol.solver == "CBC"
+    assert sol.stats["frees"] == bool(frees)
 
 
 def test_default_output_name(tmp_path):

@@ -260,6 +260,26 @@ def test_store_all_is_exact_and_compact_is_within_two_percent_of_full(expression
         assert min_feasible_budget(problem, None, False, "HIGHS") < 0.98 * low
 
 
+def test_frees_lower_the_compact_formulations_smallest_budget():
+    # A GPT block is a chain recomputed whole: holding each recomputed unit to the end
+    # of the recomputations costs memory that freeing it after its last reader saves.
+    torch.manual_seed(0)
+    expression = "gpt(depth=2, dim=64)"
+    model = parse_model(expression).build()
+    graph = capture(model, (64,), 8, model_name=expression)
+    prof = profile(model, graph, repeats=1, progress=False)
+    problem = build_problem(graph, prof)
+    held = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+    freed = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS", frees=True)
+    assert freed < 0.95 * held
+    sol = solve(graph, prof, freed, solver="HIGHS", frees=True, time_limit=120)
+    assert sol.stats["frees"] and sol.predicted_peak_bytes <= freed
+    # Without the frees the same budget is out of reach, and the message says why.
+    with pytest.raises(InfeasibleBudget, match="--frees") as without:
+        solve(graph, prof, freed, solver="HIGHS", time_limit=120)
+    assert without.value.min_budget_bytes == pytest.approx(held, rel=2e-3)
+
+
 def test_gurobi_when_installed():
     cvxpy = pytest.importorskip("cvxpy")
     if "GUROBI" not in cvxpy.installed_solvers():

@@ -23,7 +23,9 @@ from monet_like.wrapper import ScheduleMismatch
 # None: the full formulation). DenseNet's dense connectivity gives every stage hundreds
 # of ancestors within 16 steps (75k binaries): depth 2 keeps its test at seconds. The
 # GPT's tightest schedules recompute whole blocks, freeing each input after its last
-# reader in the full formulation: replayed too.
+# reader in the full formulation, and in the compact one with frees (FREES, depth 16):
+# replayed too.
+FREES = "compact formulation with frees"
 MODELS = [
     ("torchvision.models.resnet18()", (3, 64, 64), 16, DEFAULT_DEPTH),
     # Batch 16: the smallest feasible budget is 49% of store-all, so 50% runs as itself.
@@ -33,6 +35,7 @@ MODELS = [
     ("unet(base=8)", (3, 64, 64), 4, DEFAULT_DEPTH),
     ("gpt(depth=2, dim=64)", (64,), 8, DEFAULT_DEPTH),
     ("gpt(depth=2, dim=64)", (64,), 8, None),
+    ("gpt(depth=2, dim=64)", (64,), 8, FREES),
 ]
 
 
@@ -55,7 +58,9 @@ def solved(
     graph = capture(model, shape, batch, model_name=expression, input_grad=input_grad)
     prof = profile(model, graph, repeats=1, progress=False)
     problem = build_problem(graph, prof)
-    low = min_feasible_budget(problem, depth, False, "HIGHS")
+    frees = depth == FREES
+    depth = DEFAULT_DEPTH if frees else depth
+    low = min_feasible_budget(problem, depth, False, "HIGHS", frees=frees)
     peak = problem.store_all_peak_bytes
     if of_store_all:
         budgets = sorted({max(low, int(f * peak)) for f in fractions}, reverse=True)
@@ -71,7 +76,10 @@ def solved(
             time_limit=120,
             depth=depth,
             formulation=formulation,
+            frees=frees,
         )
+        if sol.formulation != "store-all":
+            assert sol.stats["frees"] == (frees or depth is None)
         bound = sol.predicted_peak_bytes
         assert_recomputation_reads_its_own_versions(build(graph, sol))
         finalize(graph, sol, prof)
