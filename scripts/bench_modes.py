@@ -24,7 +24,13 @@ import pandas as pd
 from monet_like.graph import capture
 from monet_like.models import parse_model
 from monet_like.profile import profile
-from monet_like.solver import DEFAULT_DEPTH, InfeasibleBudget, min_feasible_budget, solve
+from monet_like.solver import (
+    DEFAULT_DEPTH,
+    MIN_BUDGET_TIME_LIMIT,
+    InfeasibleBudget,
+    min_feasible_budget,
+    solve,
+)
 from monet_like.solver.problem import build_problem
 from monet_like.variants import apply
 
@@ -52,7 +58,10 @@ def main() -> None:
         "--frees", action="store_true", help="compact formulation with frees (solve.py --frees)"
     )
     ap.add_argument(
-        "--min_budget_time_limit", type=float, default=300, help="seconds per smallest budget"
+        "--min_budget_time_limit",
+        type=float,
+        default=MIN_BUDGET_TIME_LIMIT,
+        help=f"seconds per smallest budget (default {MIN_BUDGET_TIME_LIMIT:g})",
     )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
