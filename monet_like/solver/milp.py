@@ -1024,14 +1024,15 @@ def _cbc_search(f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=No
 
 def _cbc_bound_before_restart(log: str) -> float | None:
     """The best bound CBC's log shows before its first restart (None: none shown): the
-    LP relaxation, the root bound after cuts, the tree's best possible."""
+    LP relaxation, the root bound after cuts, the tree's best possible; each taken as
+    the least value that prints so (the log rounds them)."""
     before = log.split("Cbc0044I", 1)[0]
     patterns = (
         rf"Continuous objective value is {_NUMBER}",
         rf"Cbc0013I At root node, .*? to {_NUMBER} in",
         _CBC_POSSIBLE.pattern,
     )
-    found = [float(v) for p in patterns for v in re.findall(p, before)]
+    found = [_least_printed_as(v) for p in patterns for v in re.findall(p, before)]
     return max(found) if found else None
 
 
