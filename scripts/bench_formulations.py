@@ -24,7 +24,7 @@ import pandas as pd
 from monet_like.graph import capture
 from monet_like.models import parse_model
 from monet_like.profile import profile
-from monet_like.solver import DEFAULT_DEPTH, min_feasible_budget, solve
+from monet_like.solver import DEFAULT_DEPTH, MIN_BUDGET_TIME_LIMIT, min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -49,7 +49,10 @@ def main() -> None:
     ap.add_argument("--graphs", default=",".join(GRAPHS))
     ap.add_argument("--time_limit", type=float, default=120, help="seconds per solve")
     ap.add_argument(
-        "--min_budget_time_limit", type=float, default=300, help="seconds per smallest budget"
+        "--min_budget_time_limit",
+        type=float,
+        default=MIN_BUDGET_TIME_LIMIT,
+        help=f"seconds per smallest budget (default {MIN_BUDGET_TIME_LIMIT:g})",
     )
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
@@ -106,10 +109,7 @@ def main() -> None:
                     f" {sol.status}, {sol.solve_time_s:.1f} s",
                     flush=True,
                 )
-        columns = [
-            next(r["columns"] for r in rows if r["graph"] == name and r["formulation"] == f)
-            for f in ("compact", "full")
-        ]
+        columns = [cells[FRACTIONS[0], f].stats.get("variables") for f in ("compact", "full")]
         lines.append(
             f"| {name} ({batch}) | {smallest['compact'] / MIB:.2f}{marks['compact']} /"
             f" {smallest['full'] / MIB:.2f}{marks['full']} MiB | "
