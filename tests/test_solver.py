@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import time
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from monet_like.solver.milp import (
     is_feasible,
     solve_formulation,
 )
+from monet_like.solver.neighbourhood import shrink_peak
 from monet_like.solver.problem import Problem, Stage, Unit, build_problem
 from monet_like.solver.start import greedy_start, rounded_start, start_schedule
 
@@ -155,6 +157,28 @@ def test_the_full_smallest_budget_falls_back_to_the_compact_one(monkeypatch):
     assert depths == [DEFAULT_DEPTH, None]
 
 
+def test_the_compact_search_gets_the_whole_limit_before_the_full_one(monkeypatch):
+    # Given half the limit, GoogLeNet's compact search (196 s of 300) stopped above its
+    # own answer: it now has the whole limit, and the full search what is left.
+    solved = solver_module._min_budget
+    calls = []
+
+    def recorded(problem, depth, ablation, solver, time_limit, *args):
+        calls.append((depth, time_limit))
+        return solved(problem, depth, ablation, solver, time_limit, *args)
+
+    monkeypatch.setattr(solver_module, "_min_budget", recorded)
+    min_feasible_budget(FREED, None, False, "HIGHS", time_limit=100.0)
+    (first_depth, first_limit), (second_depth, second_limit) = calls
+    assert (first_depth, first_limit) == (DEFAULT_DEPTH, 100.0)
+    assert second_depth is None and 1.0 <= second_limit < 100.0
+
+    calls.clear()  # under a second left: no full search, the compact answer stands
+    compact = solved(FREED, DEFAULT_DEPTH, False, "HIGHS", 0.5)
+    assert min_feasible_budget(FREED, None, False, "HIGHS", time_limit=0.5) == compact
+    assert calls == [(DEFAULT_DEPTH, 0.5)]
+
+
 @pytest.fixture(scope="module")
 def resnet18():
     torch.manual_seed(0)
@@ -162,6 +186,20 @@ def resnet18():
     graph = capture(model, (3, 64, 64), 16)
     prof = profile(model, graph, repeats=1, progress=False)
     return graph, prof, build_problem(graph, prof)
+
+
+def test_windows_shrink_the_peak_down_to_the_smallest_budget(resnet18):
+    # From the store-all schedule, windows of 8 units re-solved in turn lower the peak,
+    # widening until one covers the network: the MILP's own smallest budget at the end.
+    graph, prof, problem = resnet18
+    f = formulate(problem, DEFAULT_DEPTH)
+    store_all = solve_formulation(f, problem.store_all_peak_bytes, "HIGHS", 60).x_bool
+    assert evaluate(f, store_all)["peak_bytes"] == problem.store_all_peak_bytes
+    lines = []
+    x = shrink_peak(f, store_all, "HIGHS", time.perf_counter() + 120, lines.append, width=8)
+    smallest = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+    assert evaluate(f, x)["peak_bytes"] == smallest
+    assert any("units" in line for line in lines)  # a window, not the whole solve, improved
 
 
 @pytest.mark.parametrize("fraction", [0.9, 0.6, 0.3])
