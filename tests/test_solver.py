@@ -190,7 +190,8 @@ def resnet18():
 
 def test_windows_shrink_the_peak_down_to_the_smallest_budget(resnet18):
     # From the store-all schedule, windows of 8 units re-solved in turn lower the peak,
-    # widening until one covers the network: the MILP's own smallest budget at the end.
+    # widening until one covers the network: the MILP's own smallest budget at the end,
+    # within the 0.1% to which that search proves it (one run ended 0.06% below it).
     graph, prof, problem = resnet18
     f = formulate(problem, DEFAULT_DEPTH)
     store_all = solve_formulation(f, problem.store_all_peak_bytes, "HIGHS", 60).x_bool
@@ -198,7 +199,7 @@ def test_windows_shrink_the_peak_down_to_the_smallest_budget(resnet18):
     lines = []
     x = shrink_peak(f, store_all, "HIGHS", time.perf_counter() + 120, lines.append, width=8)
     smallest = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
-    assert evaluate(f, x)["peak_bytes"] == smallest
+    assert abs(evaluate(f, x)["peak_bytes"] - smallest) <= 1e-3 * smallest
     assert any("units" in line for line in lines)  # a window, not the whole solve, improved
 
 
