@@ -18,8 +18,8 @@ import time
 import torch
 
 from monet_like.errors import UserError
+from monet_like.units import GIB
 
-GIB = 2**30
 DEFAULT_TIME_LIMIT = 600.0  # seconds: "solved in minutes"; the start is kept if nothing better
 _DTYPES = {
     "float32": torch.float32,

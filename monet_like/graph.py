@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from monet_like.errors import UserError
+from monet_like.units import GIB
 
 FORWARD, BACKWARD = "forward", "backward"
 # Storage kinds. Placeholders stay alive the whole step; gradients live to its end.
@@ -157,11 +158,10 @@ class Graph:
         return d
 
     def summary(self) -> str:
-        gib = 2**30
         return (
             f"{self.model} batch {self.batch} input {self.input_shape} {self.dtype}: "
             f"{len(self.nodes)} nodes, {len(self.ops)} aten ops, "
-            f"params {self.param_bytes / gib:.3f} GiB"
+            f"params {self.param_bytes / GIB:.3f} GiB"
         )
 
 

@@ -32,10 +32,10 @@ from monet_like.solver import (
     solve,
 )
 from monet_like.solver.problem import build_problem
+from monet_like.units import GIB
 from monet_like.variants import apply
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-GIB = 2**30
 # name: (expression, per-sample input shape, MONeT's batch, batch to profile at on this CPU)
 MODELS = {
     "resnet50": ("torchvision.models.resnet50()", (3, 224, 224), 184, 4),

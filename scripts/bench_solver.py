@@ -30,10 +30,10 @@ from monet_like.graph import capture
 from monet_like.models import parse_model
 from monet_like.profile import profile
 from monet_like.solver import InfeasibleBudget, parse_mode, solve
+from monet_like.units import GIB
 from monet_like.variants import apply as apply_variants
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-GIB = 2**30
 # name: (expression, per-sample input shape, MONeT's batch, batch to profile at on this CPU)
 MODELS = {
     "resnet50": ("torchvision.models.resnet50()", (3, 224, 224), 184, 4),

@@ -83,6 +83,9 @@ def test_infeasible_budget_exits_2_with_smallest_feasible_budget():
     assert r.returncode == 2
     assert "smallest feasible budget" in r.stderr and "Traceback" not in r.stderr
     assert "--formulation full" in r.stderr  # the compact formulation's smallest, said so
+    # The search for it (up to minutes) shows that it runs and what it has found.
+    assert "searching for the smallest one" in r.stdout
+    assert "smallest budget so far" in r.stdout
     report = last_json(r)
     assert report["status"] == "infeasible"
     assert report["min_feasible_budget_bytes"] > report["fixed_bytes"] > 0

@@ -31,11 +31,11 @@ from monet_like.solver.milp import (
 from monet_like.solver.neighbourhood import shrink_peak
 from monet_like.solver.problem import Problem, build_problem
 from monet_like.solver.start import start_schedule
+from monet_like.units import GIB
 from monet_like.variants import parse_mode
 
 SOLVERS = ("CBC", "HIGHS", "GUROBI", "PULP")
 DEFAULT_DEPTH = 16  # the compact formulation's recomputation depth (see docs/formulation.md)
-GIB = 2**30
 
 
 class InfeasibleBudget(UserError):
@@ -77,6 +77,7 @@ def min_feasible_budget(
     solver: str,
     time_limit: float | None = MIN_BUDGET_TIME_LIMIT,
     frees: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> int:
     """The smallest budget any schedule of the model reaches (the min-memory problem),
     within 0.1%; when `time_limit` stops the solver first, the smallest budget it found
@@ -89,20 +90,34 @@ def min_feasible_budget(
     gets what is left. The compact search mostly ends in seconds; GoogLeNet at 64 px
     needs 196 s, and given half of 300 s it stopped at 107.92 MiB against 107.62 MiB
     with time to finish, which the full search did not beat. `frees`: the compact
-    formulation with the full one's frees (`formulate`)."""
+    formulation with the full one's frees (`formulate`). `progress` receives a line per
+    smaller budget found."""
     if depth is None and not ablation:
         started = time.perf_counter()
-        compact = _min_budget(problem, DEFAULT_DEPTH, ablation, solver, time_limit, frees)
+        compact = _min_budget(problem, DEFAULT_DEPTH, ablation, solver, time_limit, frees, progress)
         remaining = None
         if time_limit is not None:
             remaining = time_limit - (time.perf_counter() - started)
             if remaining < 1.0:
                 return compact
         try:
-            return min(compact, _min_budget(problem, None, ablation, solver, remaining))
+            if progress is not None:
+                progress("the full formulation's search, for the time left")
+            full = _min_budget(problem, None, ablation, solver, remaining, progress=progress)
+            return min(compact, full)
         except UserError:
             return compact
-    return _min_budget(problem, depth, ablation, solver, time_limit, frees)
+    return _min_budget(problem, depth, ablation, solver, time_limit, frees, progress)
+
+
+def _smallest_budget(problem, depth, ablation, solver, frees, progress) -> int:
+    """`min_feasible_budget` for the message of a budget out of reach, announced."""
+    if progress is not None:
+        progress(
+            "no schedule fits that budget: searching for the smallest one"
+            f" (at most {MIN_BUDGET_TIME_LIMIT:.0f} s)"
+        )
+    return min_feasible_budget(problem, depth, ablation, solver, frees=frees, progress=progress)
 
 
 def _min_budget(
@@ -112,6 +127,7 @@ def _min_budget(
     solver: str,
     time_limit: float | None,
     frees: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> int:
     import cvxpy as cp
 
@@ -125,14 +141,18 @@ def _min_budget(
         # 300 s, against 4.558 GB with them from scratch in 600 s): half the time goes
         # to that search, the rest to the frees' from its schedule.
         plain = formulate(problem, depth, allow_recompute=True)
-        start = _min_schedule(plain, chosen, time_limit and time_limit / 2, None)
+        start = _min_schedule(plain, chosen, time_limit and time_limit / 2, None, progress)
+        if progress is not None:
+            progress("the same with the frees, from that schedule")
     f = formulate(problem, depth, allow_recompute=not ablation, frees=frees or None)
     remaining = None if deadline is None else max(1.0, deadline - time.perf_counter())
-    x = _min_schedule(f, chosen, remaining, start)
+    x = _min_schedule(f, chosen, remaining, start, progress)
     return evaluate(f, x)["peak_bytes"]
 
 
-def _min_schedule(f, solver: str, time_limit: float | None, start) -> np.ndarray:
+def _min_schedule(
+    f, solver: str, time_limit: float | None, start, progress: Callable[[str], None] | None = None
+) -> np.ndarray:
     """The schedule of least peak found within `time_limit`, from `start` if given.
 
     Without a start, the MILP searches first. With HiGHS and variant or algorithm
@@ -146,14 +166,16 @@ def _min_schedule(f, solver: str, time_limit: float | None, start) -> np.ndarray
         lean = solver == "HIGHS" and bool(f.problem.choices or f.problem.algorithms)
         first = solve_formulation(
             f, None, solver, time_limit=time_limit and time_limit / 2 if lean else time_limit,
-            gap=1e-3, pins=lean_choices(f) if lean else None,
+            gap=1e-3, pins=lean_choices(f) if lean else None, progress=progress,
         )  # fmt: skip
         if first.x_bool is None:
             raise UserError("could not solve the min-memory problem")
         if not lean:
             return first.x_bool
         start = first.x_bool
-    return shrink_peak(f, start, solver, deadline)
+        if progress is not None:
+            progress("re-solving windows of the network from that schedule")
+    return shrink_peak(f, start, solver, deadline, progress)
 
 
 def solve(
@@ -304,7 +326,7 @@ def _solve(
             " values sooner)"
         )
     if budget_bytes < problem.fixed_bytes:
-        smallest = min_feasible_budget(problem, depth, ablation, solver, frees=frees)
+        smallest = _smallest_budget(problem, depth, ablation, solver, frees, progress)
         raise InfeasibleBudget(
             f"budget {budget_bytes / GIB:.3f} GB is below the fixed part "
             f"{problem.fixed_bytes / GIB:.3f} GB (parameters, gradients, buffers, input); "
@@ -334,7 +356,7 @@ def _solve(
         start if solver in STARTABLE else None, progress,
     )  # fmt: skip
     if raw.status == "infeasible" and start is None:
-        smallest = min_feasible_budget(problem, depth, ablation, solver, frees=frees)
+        smallest = _smallest_budget(problem, depth, ablation, solver, frees, progress)
         raise InfeasibleBudget(
             f"no schedule fits {budget_bytes / GIB:.3f} GB: the smallest feasible budget is "
             f"{smallest / GIB:.3f} GB{whose}; fixed part {problem.fixed_bytes / GIB:.3f} GB",

@@ -43,6 +43,7 @@ from monet_like.errors import UserError
 from monet_like.memory import captured, silenced
 from monet_like.solver.problem import Problem
 from monet_like.solver.race import available_cores, race
+from monet_like.units import GIB
 
 MIB = float(2**20)  # bytes are scaled to MiB inside the matrix: better conditioned
 MS = 1e-3  # times scaled to milliseconds
@@ -780,21 +781,30 @@ def _highs_search(
     if start is not None:
         h.setSolution(n_b, np.arange(n_b, dtype=np.int32), start.astype(np.float64))
 
-    first = [None]
+    first, shown = [None], [None]
     started = time.perf_counter()
 
     def improved(event) -> None:
         out = event.data_out
         if first[0] is None:
             first[0] = time.perf_counter() - started
-        if progress is not None and not minimize_budget:
-            bound = out.mip_dual_bound
-            known = np.isfinite(bound) and np.isfinite(out.mip_gap)
-            progress(
-                f"[{out.running_time:6.1f} s] schedule with {out.objective_function_value * MS:.3f}"
-                f" s of recomputation"
-                + (f"; bound {bound * MS:.3f} s, gap {out.mip_gap:.2%}" if known else "")
+        if progress is None:
+            return
+        bound = out.mip_dual_bound
+        known = np.isfinite(bound) and np.isfinite(out.mip_gap)
+        if minimize_budget:  # the objective is the peak in MiB (plus a tiny time term)
+            line = f"smallest budget so far {out.objective_function_value * MIB / GIB:.4f} GB" + (
+                f"; bound {bound * MIB / GIB:.4f} GB" if known else ""
             )
+            if line != shown[0]:  # not again for less recomputation at the same peak
+                shown[0] = line
+                progress(f"[{out.running_time:6.1f} s] {line}")
+            return
+        progress(
+            f"[{out.running_time:6.1f} s] schedule with {out.objective_function_value * MS:.3f}"
+            f" s of recomputation"
+            + (f"; bound {bound * MS:.3f} s, gap {out.mip_gap:.2%}" if known else "")
+        )
 
     h.cbMipImprovingSolution.subscribe(improved)
     if stop is not None:

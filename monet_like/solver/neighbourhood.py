@@ -23,10 +23,10 @@ from collections.abc import Callable
 import numpy as np
 
 from monet_like.solver.milp import Formulation, evaluate, solve_formulation
+from monet_like.units import GIB
 
 WIDTH = 40  # units per window at first (ResNet-50 has about 200 to 260 units)
 SUB_TIME_LIMIT = 30.0  # seconds per window's solve
-GIB = 2**30
 
 
 def _score(f: Formulation, x: np.ndarray) -> tuple[int, float]:
@@ -90,9 +90,10 @@ def shrink_peak(
                 continue
             score = _score(f, raw.x_bool)
             if score < best_score:
-                improved = improved or score[0] < best_score[0]
+                lower = score[0] < best_score[0]
+                improved = improved or lower
                 best, best_score = raw.x_bool, score
-                if progress is not None:
+                if progress is not None and lower:  # not for less recomputation alone
                     progress(
                         f"smallest budget: {score[0] / GIB:.4f} GB"
                         + ("" if whole else f" (units {lo} to {min(lo + width, n_units) - 1})")
