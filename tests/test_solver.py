@@ -22,6 +22,7 @@ from monet_like.solver import (
 )
 from monet_like.solver.milp import (
     MS,
+    RawResult,
     _cbc_bound_before_restart,
     _CbcLogWatch,
     _pulp_bound,
@@ -146,11 +147,11 @@ def test_the_full_smallest_budget_falls_back_to_the_compact_one(monkeypatch):
 
     depths = []
 
-    def stopped_when_full(problem, depth, *args):
+    def stopped_when_full(problem, depth, *args, **kwargs):
         depths.append(depth)
         if depth is None:
             raise UserError("could not solve the min-memory problem")
-        return solved(problem, depth, *args)
+        return solved(problem, depth, *args, **kwargs)
 
     monkeypatch.setattr(solver_module, "_min_budget", stopped_when_full)
     assert min_feasible_budget(FREED, None, False, "HIGHS") == compact
@@ -163,9 +164,9 @@ def test_the_compact_search_gets_the_whole_limit_before_the_full_one(monkeypatch
     solved = solver_module._min_budget
     calls = []
 
-    def recorded(problem, depth, ablation, solver, time_limit, *args):
+    def recorded(problem, depth, ablation, solver, time_limit, *args, **kwargs):
         calls.append((depth, time_limit))
-        return solved(problem, depth, ablation, solver, time_limit, *args)
+        return solved(problem, depth, ablation, solver, time_limit, *args, **kwargs)
 
     monkeypatch.setattr(solver_module, "_min_budget", recorded)
     min_feasible_budget(FREED, None, False, "HIGHS", time_limit=100.0)
@@ -201,6 +202,32 @@ def test_windows_shrink_the_peak_down_to_the_smallest_budget(resnet18):
     smallest = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
     assert abs(evaluate(f, x)["peak_bytes"] - smallest) <= 1e-3 * smallest
     assert any("units" in line for line in lines)  # a window, not the whole solve, improved
+
+
+@pytest.mark.parametrize("status", ["feasible", "optimal"])
+def test_a_stopped_min_memory_search_is_followed_by_windows(resnet18, monkeypatch, status):
+    # Normal mode: the MILP has two thirds of the limit; stopped with a schedule (here
+    # made to stop with the store-all one), the windows take it on for the rest.
+    # ResNet-50 at 184: the MILP stopped at 4.355 GB, the windows reached the proved
+    # optimum, 4.2826 GB, in 17 s. A proved answer is returned as it is.
+    graph, prof, problem = resnet18
+    f = formulate(problem, DEFAULT_DEPTH)
+    store_all = solve_formulation(f, problem.store_all_peak_bytes, "HIGHS", 60).x_bool
+    limits = []
+
+    def stopped(f_, budget, solver, time_limit=None, **options):
+        limits.append(time_limit)
+        return RawResult(status, store_all, float(f.cost @ store_all) * MS, None, None, 0, solver)
+
+    monkeypatch.setattr(solver_module, "solve_formulation", stopped)
+    x = solver_module._min_schedule(f, "HIGHS", 60.0, None)
+    assert limits == [pytest.approx(40.0)]
+    peak = evaluate(f, x)["peak_bytes"]
+    if status == "optimal":
+        assert peak == problem.store_all_peak_bytes
+    else:
+        smallest = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+        assert abs(peak - smallest) <= 1e-3 * smallest
 
 
 @pytest.mark.parametrize("fraction", [0.9, 0.6, 0.3])
