@@ -34,7 +34,7 @@ from monet_like.solver.milp import (
     solve_formulation,
 )
 from monet_like.solver.neighbourhood import shrink_peak
-from monet_like.solver.problem import Problem, Stage, Unit, build_problem
+from monet_like.solver.problem import AlgorithmChoice, Problem, Stage, Unit, build_problem
 from monet_like.solver.start import greedy_start, rounded_start, start_schedule
 
 MIB = 2**20
@@ -637,3 +637,31 @@ def test_a_modes_smallest_budget_is_the_lower_of_its_two_graphs(
         solve(rewritten, None, MIB, mode="newnode", baseline=(captured, object()))
     assert raised.value.min_budget_bytes == min(variants_mib, captured_mib) * MIB
     assert ("captured graph" in str(raised.value)) == (captured_mib < variants_mib)
+
+
+@pytest.mark.parametrize("backward_op, smallest_mib", [(11, 10), (None, 13)])
+def test_a_convolutions_backward_counts_what_is_read_from_it_on(backward_op, smallest_mib):
+    # Stage 0 runs op 10, which reads unit 1 (a ReLU's backward from its output), then op
+    # 11, a convolution's backward with 5 MiB of workspace, which reads unit 0 only: unit
+    # 1 is dead by then. Counting every read of the stage at the convolution (as before,
+    # and still where its op is not known) held it there: VGG-16 at 176 had a smallest
+    # budget above its store-all peak with algorithm choices.
+    units = [
+        Unit(0, (0,), (0,), 4 * MIB, 1e-3, 0, (), 1),
+        Unit(1, (1,), (1,), 3 * MIB, 1e-3, 0, (0,), 1),
+    ]
+    runs = ((10, MIB, (0, 1)), (11, MIB, (0,)))
+    stages = [Stage(0, 1, (10, 11), (0, 1), MIB, by_op=runs), Stage(1, 0, (12,), (0,), MIB)]
+    conv = AlgorithmChoice(
+        "conv", 1, 0, (((-1,), 1e-3, 0),), 1e-3, 0, MIB, (((-1, -1), 1e-3, 5 * MIB),), 1e-3,
+        backward_op=backward_op,
+    )  # fmt: skip
+    problem = Problem(units, stages, 0, [0, 0], 0, 1.0, 0, algorithms=(conv,))
+    for depth in (None, DEFAULT_DEPTH):
+        f = formulate(problem, depth)
+        raw = solve_formulation(f, None, "HIGHS", 30)
+        # its bytes, the workspace and unit 0 (and unit 1 where it is counted)
+        assert evaluate(f, raw.x_bool)["peak_bytes"] == smallest_mib * MIB
+        # the rows say the same: that budget fits, and 1 kB less does not
+        assert solve_formulation(f, smallest_mib * MIB, "HIGHS", 30).status == "optimal"
+        assert solve_formulation(f, smallest_mib * MIB - 1024, "HIGHS", 30).status == ("infeasible")

@@ -146,6 +146,13 @@ def _op_runs(stage, choice_needs: set[int]):
     return stage.by_op or ((None, stage.grad_bytes, tuple(set(stage.need) | choice_needs)),)
 
 
+def _reads_from(stage, op: int | None, choice_needs: set[int]) -> tuple[int, ...]:
+    """The units the stage's backward ops read from op `op` on (its run of Stage.by_op);
+    without the op or the runs, all the stage reads."""
+    runs = [reads for first, _, reads in stage.by_op if op is not None and first <= op]
+    return runs[-1] if runs else tuple(set(stage.need) | choice_needs)
+
+
 def _choice_needs(problem: Problem) -> list[set[int]]:
     """Per stage, the units one option or the other of its choices needs."""
     extra: list[set[int]] = [set() for _ in problem.stages]
@@ -416,7 +423,6 @@ def formulate(
 
     for t, stage in enumerate(stages):
         c = cand[t]
-        needed = set(stage.need) | choice_needs[t]
         # b_t: what the stage starts with, z_t plus the candidates carried into it
         start_terms = []
         for u in c:
@@ -456,7 +462,11 @@ def formulate(
             row(op_terms, [(z0 + t, 1.0)], 0.0, budget_const_mib=const + at_op / MIB)
         for k, a in enumerate(problem.algorithms):  # a convolution's backward in this stage
             if a.stage == t and a.backward:
-                terms = backward_terms(t, needed)  # all the stage reads: its first op on
+                # what the stage reads from its op on (VGG-16 at 176: counting all the
+                # stage reads held a dead 2.1 GB ReLU output at the first convolution's
+                # backward, and the smallest budget with algorithm choices was 13.762 GB,
+                # above the store-all peak)
+                terms = backward_terms(t, set(_reads_from(stage, a.backward_op, choice_needs[t])))
                 ws = [(j, o[2] / MIB) for j, o in zip(bwd_cols[k], a.backward, strict=True)]
                 at_op = const + a.backward_live / MIB
                 row(terms + ws, [(z0 + t, 1.0)], 0.0, budget_const_mib=at_op)
@@ -1245,7 +1255,6 @@ class _StageColumns:
     r_cols: np.ndarray  # -1 where the unit cannot be recomputed
     next_s_cols: np.ndarray  # S of the next stage, -1 where it is no candidate there
     dead: np.ndarray  # no later stage can read it
-    needed: np.ndarray  # read by the stage's backward ops (or by one of its choices)
     by_op: list[tuple[int, np.ndarray]]  # (backward-only bytes, read from there on)
     order: np.ndarray  # positions (in `units`) of the recomputable ones, in run order
     prefix_end: np.ndarray  # per entry of `order`: what has begun when it ends (-1: no row)
@@ -1259,7 +1268,6 @@ def _stage_columns(f: Formulation) -> list[_StageColumns]:
     columns = []
     for t, c in enumerate(f.cand):
         stage = p.stages[t]
-        needed = set(stage.need) | choice_needs[t]
         position = {u: i for i, u in enumerate(c)}
         columns.append(
             _StageColumns(
@@ -1268,7 +1276,6 @@ def _stage_columns(f: Formulation) -> list[_StageColumns]:
                 r_cols=np.array([f.r_index.get((t, u), -1) for u in c], dtype=int),
                 next_s_cols=np.array([f.s_index.get((t + 1, u), -1) for u in c], dtype=int),
                 dead=np.array([f.last_use[u] == t for u in c], dtype=bool),
-                needed=np.array([u in needed for u in c], dtype=bool),
                 by_op=[
                     (at_op, np.isin(c, reads))
                     for _, at_op, reads in _op_runs(stage, choice_needs[t])
@@ -1348,10 +1355,12 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
     for t, u in f.rec_alg:
         k = f.algorithm_of[u]
         rec_ws[t, u] = p.algorithms[k].forward[chosen[k][0]][2]
-    bwd_at: dict[int, int] = {}  # stage -> largest bytes at a convolution's backward
+    choice_needs = _choice_needs(p)
+    convs: dict[int, list[tuple[int, tuple[int, ...]]]] = {}  # stage -> (bytes, reads)
     for a, (_, i) in zip(p.algorithms, chosen, strict=True):
         if a.stage is not None and i is not None:
-            bwd_at[a.stage] = max(bwd_at.get(a.stage, 0), a.backward_live + a.backward[i][2])
+            reads = _reads_from(p.stages[a.stage], a.backward_op, choice_needs[a.stage])
+            convs.setdefault(a.stage, []).append((a.backward_live + a.backward[i][2], reads))
     for t, (stage, cols) in enumerate(zip(p.stages, _stage_columns(f), strict=True)):
         cu = cols.units
         recomputed = np.where(cols.r_cols >= 0, x[np.maximum(cols.r_cols, 0)], 0)
@@ -1371,9 +1380,9 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
                 before = freed[plan.before[i]] if plan is not None else 0
                 live = max(live, at_start + int(so_far[cols.prefix_end[i]]) - before + ws)
         # the backward ops: what they read from there on, what goes on to later stages
-        # (a convolution's backward: counted with all the stage reads)
+        # (a convolution's backward with its option's workspace)
         rewritten = int(z[t]) + int((side[cu] * recomputed).sum())
-        runs = [*cols.by_op, (bwd_at.get(t, 0), cols.needed)]
+        runs = [*cols.by_op, *((at, np.isin(cu, reads)) for at, reads in convs.get(t, ()))]
         for at_op, read in runs:
             present = np.where(read, held + recomputed, carried)
             at = p.constant_bytes + at_op + rewritten + int((m[cu] * (present - keep[cu])).sum())

@@ -105,6 +105,7 @@ class AlgorithmChoice:
     backward_live: int
     backward: tuple[Option, ...]
     backward_default_s: float
+    backward_op: int | None = None  # its backward op's index (what the stage reads from it)
 
     @property
     def base_s(self) -> float:
@@ -350,6 +351,7 @@ def build_problem(
                 backward_live=other_no_ws[bwd_op] if bwd_op is not None else 0,
                 backward=_backward_options(options, bwd_scale) if bwd_op is not None else (),
                 backward_default_s=bwd_s,
+                backward_op=bwd_op,
             )
         )
     return Problem(
