@@ -147,10 +147,13 @@ def _op_runs(stage, choice_needs: set[int]):
 
 
 def _reads_from(stage, op: int | None, choice_needs: set[int]) -> tuple[int, ...]:
-    """The units the stage's backward ops read from op `op` on (its run of Stage.by_op);
-    without the op or the runs, all the stage reads."""
-    runs = [reads for first, _, reads in stage.by_op if op is not None and first <= op]
-    return runs[-1] if runs else tuple(set(stage.need) | choice_needs)
+    """The units the stage's backward ops read from op `op` on (its run of ops, see
+    `_op_runs`); without the op, the first run's: all the stage reads."""
+    runs = _op_runs(stage, choice_needs)
+    later = [
+        reads for first, _, reads in runs if op is not None and first is not None and first <= op
+    ]
+    return later[-1] if later else runs[0][2]
 
 
 def _choice_needs(problem: Problem) -> list[set[int]]:
@@ -1256,6 +1259,7 @@ class _StageColumns:
     next_s_cols: np.ndarray  # S of the next stage, -1 where it is no candidate there
     dead: np.ndarray  # no later stage can read it
     by_op: list[tuple[int, np.ndarray]]  # (backward-only bytes, read from there on)
+    conv_reads: list[tuple[int, np.ndarray]]  # (algorithm, read from its backward op on)
     order: np.ndarray  # positions (in `units`) of the recomputable ones, in run order
     prefix_end: np.ndarray  # per entry of `order`: what has begun when it ends (-1: no row)
 
@@ -1279,6 +1283,11 @@ def _stage_columns(f: Formulation) -> list[_StageColumns]:
                 by_op=[
                     (at_op, np.isin(c, reads))
                     for _, at_op, reads in _op_runs(stage, choice_needs[t])
+                ],
+                conv_reads=[
+                    (k, np.isin(c, _reads_from(stage, a.backward_op, choice_needs[t])))
+                    for k, a in enumerate(p.algorithms)
+                    if a.stage == t and a.backward
                 ],
                 order=np.array([position[u] for u in f.recompute_order[t]], dtype=int),
                 prefix_end=np.array(f.prefix_end[t], dtype=int),
@@ -1355,12 +1364,6 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
     for t, u in f.rec_alg:
         k = f.algorithm_of[u]
         rec_ws[t, u] = p.algorithms[k].forward[chosen[k][0]][2]
-    choice_needs = _choice_needs(p)
-    convs: dict[int, list[tuple[int, tuple[int, ...]]]] = {}  # stage -> (bytes, reads)
-    for a, (_, i) in zip(p.algorithms, chosen, strict=True):
-        if a.stage is not None and i is not None:
-            reads = _reads_from(p.stages[a.stage], a.backward_op, choice_needs[a.stage])
-            convs.setdefault(a.stage, []).append((a.backward_live + a.backward[i][2], reads))
     for t, (stage, cols) in enumerate(zip(p.stages, _stage_columns(f), strict=True)):
         cu = cols.units
         recomputed = np.where(cols.r_cols >= 0, x[np.maximum(cols.r_cols, 0)], 0)
@@ -1382,7 +1385,10 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
         # the backward ops: what they read from there on, what goes on to later stages
         # (a convolution's backward with its option's workspace)
         rewritten = int(z[t]) + int((side[cu] * recomputed).sum())
-        runs = [*cols.by_op, *((at, np.isin(cu, reads)) for at, reads in convs.get(t, ()))]
+        runs = [*cols.by_op]
+        for k, read in cols.conv_reads:
+            a, option = p.algorithms[k], chosen[k][1]
+            runs.append((a.backward_live + a.backward[option][2], read))
         for at_op, read in runs:
             present = np.where(read, held + recomputed, carried)
             at = p.constant_bytes + at_op + rewritten + int((m[cu] * (present - keep[cu])).sum())
