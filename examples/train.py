@@ -20,9 +20,8 @@ from monet_like.profile import profile
 from monet_like.schedule import finalize
 from monet_like.solver import DEFAULT_DEPTH, min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
+from monet_like.units import GIB
 from monet_like.wrapper import ScheduleWrapper
-
-GIB = 2**30
 
 
 def main() -> None:

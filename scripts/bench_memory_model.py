@@ -26,9 +26,10 @@ from monet_like.memory import (
 )
 from monet_like.models import make_input, parse_model
 from monet_like.profile import profile
+from monet_like.units import GIB
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-MIB, GIB = 2**20, 2**30
+MIB = 2**20
 CASES = [
     ("torchvision.models.resnet18()", (3, 32, 32), 8),
     ("torchvision.models.mobilenet_v2()", (3, 32, 32), 8),
