@@ -664,4 +664,4 @@ def test_a_convolutions_backward_counts_what_is_read_from_it_on(backward_op, sma
         assert evaluate(f, raw.x_bool)["peak_bytes"] == smallest_mib * MIB
         # the rows say the same: that budget fits, and 1 kB less does not
         assert solve_formulation(f, smallest_mib * MIB, "HIGHS", 30).status == "optimal"
-        assert solve_formulation(f, smallest_mib * MIB - 1024, "HIGHS", 30).status == ("infeasible")
+        assert solve_formulation(f, smallest_mib * MIB - 1024, "HIGHS", 30).status == "infeasible"
