@@ -13,7 +13,8 @@ a + b * batch (per-op overhead does not grow with the batch), and the profile sa
 (`scaled`, `profile_batch`). Where no second batch fits (the batch is 1 or 2), times
 scale linearly. Workspace is not linear in the batch (a library picks its blocking by
 shape), so on CPU it is measured in one run at the solved batch when that run fits in
-half the available memory; otherwise it is fitted like the times. Convolution
+half the available memory; otherwise it is fitted like the times, and every op whose
+fitted figure is large is then run alone at the solved batch and measured. Convolution
 algorithms (conv mode) are timed apart, at or near the solved batch: see
 `_algorithm_options`.
 Profiles are cached on disk as JSON, keyed by graph fingerprint, profile batch,
@@ -39,8 +40,9 @@ from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocation_peak, record_allocations, store_all_peak
 
-PROFILE_FORMAT = 7  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
-# 7: CPU workspace measured at the solved batch when it fits in memory
+PROFILE_FORMAT = 8  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
+# 7: CPU workspace measured at the solved batch when it fits in memory; 8: where it does not,
+# large ops measured alone there, and PyTorch's convolution algorithm takes the step's figure
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,86 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
+# Where a step at the solved batch does not fit in memory, its workspace is fitted from two
+# small batches, and each op whose fitted figure is at least this many bytes is then run
+# alone at the solved batch, on random inputs of its shapes, and measured. A library may
+# change its method with the size: oneDNN's weight gradient of VGG-16's second convolution
+# takes two activations of scratch at every batch up to 160 and a twentieth of one at 176.
+OP_REMEASURE_BYTES = 64 * 2**20
+
+
+def _bytes_of(values: list) -> int:
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def _node_inputs(node) -> list:
+    """The values (meta "val") of the fx nodes among `node`'s arguments."""
+    from torch.fx.node import Node, map_aggregate
+
+    values: list = []
+    map_aggregate(
+        (node.args, node.kwargs),
+        lambda a: values.append(a.meta.get("val")) if isinstance(a, Node) else None,
+    )
+    return values
+
+
+def _workspace_alone(node, device: torch.device, gen: torch.Generator) -> int:
+    """Workspace of `node`'s op run once by itself on random inputs of its shapes."""
+    from torch.fx.node import Node, map_aggregate
+
+    def real(a):
+        if not isinstance(a, Node):
+            return a
+        v = a.meta["val"]
+        t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
+        return t.normal_(generator=gen)
+
+    args, kwargs = map_aggregate((node.args, node.kwargs), real)
+    return _workspace_of(lambda: node.target(*args, **kwargs), device)
+
+
+def _remeasure_alone(
+    graph: Graph, device: torch.device, workspace: list[int], progress: bool | None = None
+) -> list[int]:
+    """Measure again, each alone at `graph`'s batch, the compute ops whose `workspace`
+    (fitted) is at least OP_REMEASURE_BYTES; `workspace` is updated in place. An op is left
+    as fitted when an input is not a floating-point tensor (indices, masks: random values
+    could be invalid), when its inputs, outputs and fitted workspace would take more than
+    half the available memory, or when it fails on random inputs. Returns the indices
+    measured."""
+    from tqdm import tqdm
+
+    available = _available_memory_bytes()
+    if device.type != "cpu" or available is None:
+        return []
+    nodes = {n.name: n for n in graph.fx.graph.nodes}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    large = [
+        op for op in graph.ops if op.role == "compute" and workspace[op.index] >= OP_REMEASURE_BYTES
+    ]
+    measured = []
+    hide = (not progress) if progress is not None else None  # None: tqdm asks the terminal
+    bar = tqdm(
+        large, desc=f"measuring large ops alone at batch {graph.batch}", unit="op", disable=hide
+    )
+    for op in bar:
+        node = nodes[op.name]
+        inputs = _node_inputs(node)
+        if not all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in inputs):
+            continue
+        outputs = node.meta.get("val")
+        outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        if _bytes_of(inputs) + _bytes_of(outputs) + workspace[op.index] > available // 2:
+            continue
+        try:
+            workspace[op.index] = _workspace_alone(node, device, gen)
+        except (RuntimeError, NotImplementedError):
+            continue  # keep the fitted figure
+        measured.append(op.index)
+    return measured
+
+
 def _fits_in_memory(graph: Graph, device: torch.device) -> bool:
     """Whether a CPU step of `graph` at its own batch, everything stored, takes at most
     half the memory available: then its workspace is measured there, not extrapolated."""
@@ -310,6 +392,32 @@ def algorithm_workspace(
         if site["backward"] in op_index:
             workspace[op_index[site["backward"]]] = backward_option(options, data, weight)[1]
     return workspace
+
+
+def _aten_options_take(
+    graph: Graph, measured: dict[str, dict[str, list[list]]], workspace: list[int], ops: set[int]
+) -> None:
+    """Set the workspace of PyTorch's own algorithm (-1) in each convolution site's
+    `measured` options to the step's `workspace` at that op, for the op indices in `ops`:
+    the forward, and the backward as the step runs it (both parts in one call, or the
+    one part its gradient mask asks for)."""
+    from monet_like.variants import algorithm_sites
+
+    op_index = {op.name: op.index for op in graph.ops}
+    for site in algorithm_sites(graph):
+        options = measured.get(site["id"])
+        if options is None:
+            continue
+        steps = [("forward", op_index[site["forward"][0]])]
+        if site["backward"] in op_index:
+            parts = [d for d in ("both", "data", "weight") if d in options]
+            if parts and (parts[0] == "both" or len(parts) == 1):
+                steps.append((parts[0], op_index[site["backward"]]))
+        for direction, i in steps:
+            if i in ops:
+                for row in options[direction]:
+                    if row[0] == -1:
+                        row[2] = workspace[i]
 
 
 def _workspace_of(call, device: torch.device) -> int:
@@ -545,6 +653,7 @@ def profile(
     from tqdm import tqdm
 
     scaled = profile_batch != graph.batch
+    at_batch: set[int] = set() if scaled else {op.index for op in graph.ops}
     small = graph_at(profile_batch)
     runner = _OpRunner(small, device)
     args_fn = _real_args(model, small, device, dtype)
@@ -568,11 +677,15 @@ def profile(
                 # came out 0.34 MiB under the measured peak. Measure it where it is used.
                 workspace, method = workspace_at(graph)
                 method += f", at batch {graph.batch}"
+                at_batch = {op.index for op in graph.ops}
             elif other_graph is not None:
                 # A weight reorder does not grow with the batch: fit each op's a + b * batch.
                 other, _ = workspace_at(other_graph)
                 workspace = _extrapolate(workspace, profile_batch, other, other_batch, graph.batch)
                 method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
+                if graph.fx is not None:
+                    at_batch = set(_remeasure_alone(graph, device, workspace, progress))
+                    method += f"; {len(at_batch)} large ops measured alone at batch {graph.batch}"
             if other_graph is not None:
                 # Times: a small batch is dominated by per-op overhead, which a
                 # linear scaling would multiply along with the real work.
@@ -599,8 +712,10 @@ def profile(
     if graph.fx is not None and algorithm_sites(graph):
         with torch.no_grad():
             algorithms = _algorithm_options(graph, device, profile_batch, repeats, progress)
-        # One measurement per convolution op: PyTorch's own algorithm as measured alone,
-        # so that the store-all prediction and the solver's options agree.
+        # One figure per convolution op, so that the store-all prediction and the solver's
+        # options agree: the step's where it was measured at the solved batch (the
+        # options' own may be fitted from small batches), else the options'.
+        _aten_options_take(graph, algorithms, workspace, at_batch)
         for i, w in algorithm_workspace(graph, algorithms, {}).items():
             workspace[i] = w
     ops = graph.ops

@@ -72,8 +72,46 @@ def test_scaled_profile_measures_workspace_at_the_solved_batch_when_it_fits(monk
         direct = profile(model, graph, profile_batch=8, repeats=1, use_cache=False, progress=False)
         assert not direct.scaled and scaled.op_workspace == direct.op_workspace
     else:
-        assert scaled.workspace_method.endswith("fitted a + b*batch from batches 2 and 4")
+        assert "fitted a + b*batch from batches 2 and 4" in scaled.workspace_method
     assert scaled.nodes[0].workspace_bytes > 0
+
+
+def _inflated(monkeypatch, profile_module):
+    """Make every fitted workspace figure 3x + 1 MiB what the fit gives: what a fit that
+    misses a library's change of method at the solved batch looks like."""
+    fit = profile_module._extrapolate
+    monkeypatch.setattr(
+        profile_module,
+        "_extrapolate",
+        lambda *a: [3 * w + 2**20 for w in fit(*a)],
+    )
+
+
+def test_fitted_workspace_of_large_ops_is_measured_alone_at_the_solved_batch(monkeypatch):
+    """Where the step does not fit in memory at the solved batch, its workspace is fitted
+    from two small batches; then each op whose fitted figure is large runs alone at the
+    solved batch on random inputs, and that measurement replaces the fit. Here the fit is
+    made wrong on purpose: the large ops must come out as a profile taken at batch 8
+    measures them, and the others keep the (wrong) fit."""
+    from monet_like import profile as profile_module
+
+    monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: False)
+    _inflated(monkeypatch, profile_module)
+    model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 1))
+    graph = capture(model, (16, 32, 32), 8)
+    direct = profile(model, graph, profile_batch=8, repeats=1, use_cache=False, progress=False)
+    real = dict(direct.op_workspace)
+    threshold = 2**20 + max(real.values())  # above every fitted 3w + 1 MiB with w = 0
+    monkeypatch.setattr(profile_module, "OP_REMEASURE_BYTES", threshold)
+    fitted = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
+    got = dict(fitted.op_workspace)
+    large = [i for i, w in got.items() if i in real and real[i] > 0 and got[i] == real[i]]
+    assert large, "no op was measured alone"
+    kept = [i for i, w in got.items() if w != real.get(i, 0)]
+    assert all(got[i] >= 2**20 for i in kept)  # the fit, inflated, where not measured
+    assert f"{len(large)} large ops measured alone at batch 8" in fitted.workspace_method
+    by_op = {op.index: op for op in graph.ops}
+    assert any(by_op[i].target == "aten.convolution_backward.default" for i in large)
 
 
 def test_conv_workspace_is_measured_on_cpu():
@@ -116,3 +154,38 @@ def test_convolution_algorithms_workspace_at_the_solved_batch(
         assert dict((a, ws) for a, _, ws in options["weight"])[0] == columns
         assert all(t > 0 for rows in options.values() for _, t, _ in rows)
     assert "data" not in first and "data" in second  # the input needs no gradient
+
+
+def test_pytorchs_convolution_algorithm_takes_the_steps_workspace_at_the_solved_batch(
+    monkeypatch,
+):
+    """conv mode: where the step ran at the solved batch, PyTorch's own algorithm (-1)
+    takes the step's measured workspace, forward and backward, even when the options'
+    own figures are fitted from small batches (here made wrong on purpose); the other
+    algorithms keep theirs. The store-all prediction and the options agree."""
+    from monet_like import profile as profile_module
+    from monet_like.profile import algorithm_workspace, backward_option, option
+    from monet_like.variants import algorithm_sites, apply
+
+    monkeypatch.setattr(profile_module, "ALGORITHM_TIMING_FLOPS", 1)
+    monkeypatch.setattr(profile_module, "ALGORITHM_WORKSPACE_FLOPS", 1)
+    monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: True)
+    _inflated(monkeypatch, profile_module)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    graph = apply(capture(model, (3, 16, 16), 8), "conv")
+    p = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
+    monkeypatch.undo()
+    direct = profile(model, graph, profile_batch=8, repeats=1, use_cache=False, progress=False)
+    step = dict(direct.op_workspace)
+    op_index = {op.name: op.index for op in graph.ops}
+    for site in algorithm_sites(graph):
+        options = p.algorithms[site["id"]]
+        forward, backward = op_index[site["forward"][0]], op_index[site["backward"]]
+        assert option(options["forward"], -1)[1] == step.get(forward, 0)
+        assert backward_option(options, -1, -1)[1] == step.get(backward, 0)
+        # im2col keeps its own (fitted, inflated) figure
+        assert option(options["forward"], 0)[1] >= 2**20
+    assert dict(p.op_workspace) == {
+        **{i: w for i, w in step.items() if w > 0},
+        **{i: w for i, w in algorithm_workspace(graph, p.algorithms, {}).items() if w > 0},
+    }
