@@ -204,25 +204,31 @@ def test_windows_shrink_the_peak_down_to_the_smallest_budget(resnet18):
     assert any("units" in line for line in lines)  # a window, not the whole solve, improved
 
 
-@pytest.mark.parametrize("status", ["feasible", "optimal"])
+@pytest.mark.parametrize("status", ["feasible", "optimal", "none"])
 def test_a_stopped_min_memory_search_is_followed_by_windows(resnet18, monkeypatch, status):
     # Normal mode: the MILP has two thirds of the limit; stopped with a schedule (here
     # made to stop with the store-all one), the windows take it on for the rest.
     # ResNet-50 at 184: the MILP stopped at 4.355 GB, the windows reached the proved
-    # optimum, 4.2826 GB, in 17 s. A proved answer is returned as it is.
+    # optimum, 4.2826 GB, in 17 s. A proved answer is returned as it is. Stopped with
+    # no schedule at all (GoogLeNet at 320 after 200 s), the windows start from a
+    # greedy one.
     graph, prof, problem = resnet18
     f = formulate(problem, DEFAULT_DEPTH)
     store_all = solve_formulation(f, problem.store_all_peak_bytes, "HIGHS", 60).x_bool
-    limits = []
+    limits, lines = [], []
 
     def stopped(f_, budget, solver, time_limit=None, **options):
         limits.append(time_limit)
+        if status == "none":
+            return RawResult("feasible", None, None, None, None, time_limit, solver)
         return RawResult(status, store_all, float(f.cost @ store_all) * MS, None, None, 0, solver)
 
     monkeypatch.setattr(solver_module, "solve_formulation", stopped)
-    x = solver_module._min_schedule(f, "HIGHS", 60.0, None)
+    x = solver_module._min_schedule(f, "HIGHS", 60.0, None, lines.append)
     assert limits == [pytest.approx(40.0)]
     peak = evaluate(f, x)["peak_bytes"]
+    if status == "none":
+        assert any("the MILP found no schedule: windows from a greedy one" in li for li in lines)
     if status == "optimal":
         assert peak == problem.store_all_peak_bytes
     else:

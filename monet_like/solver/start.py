@@ -119,6 +119,13 @@ def greedy_start(f: Formulation, budget_bytes: int, passes: int = 3) -> np.ndarr
     return x if peak <= budget_bytes else None
 
 
+def least_peak_start(f: Formulation) -> np.ndarray:
+    """Binary columns of a low-peak schedule found without a solver: from store-all,
+    units dropped one at a time while the peak does not rise. The smallest-budget
+    search starts its windows from it when its MILP finds no schedule in its time."""
+    return _drop_while_not_higher(f, np.ones(len(f.problem.units), dtype=bool), 0)[0]
+
+
 def _drop_while_not_higher(
     f: Formulation, kept: np.ndarray, budget_bytes: int, passes: int = 3
 ) -> tuple[np.ndarray, int]:
