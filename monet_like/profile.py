@@ -243,6 +243,11 @@ def _workspace_cuda(runner: _OpRunner, args) -> tuple[list[int], str]:
     return workspace, "cuda allocator peak statistics"
 
 
+def _bar_hidden(progress: bool | None) -> bool | None:
+    """tqdm's `disable` for a `progress` flag: None lets tqdm ask the terminal."""
+    return None if progress is None else not progress
+
+
 def _available_memory_bytes() -> int | None:
     """Memory the system could give this process now (Linux's MemAvailable)."""
     try:
@@ -261,10 +266,6 @@ def _available_memory_bytes() -> int | None:
 # change its method with the size: oneDNN's weight gradient of VGG-16's second convolution
 # takes two activations of scratch at every batch up to 160 and a twentieth of one at 176.
 OP_REMEASURE_BYTES = 64 * 2**20
-
-
-def _bytes_of(values: list) -> int:
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 def _node_inputs(node) -> list:
@@ -314,18 +315,14 @@ def _remeasure_alone(
         op for op in graph.ops if op.role == "compute" and workspace[op.index] >= OP_REMEASURE_BYTES
     ]
     measured = []
-    hide = (not progress) if progress is not None else None  # None: tqdm asks the terminal
-    bar = tqdm(
-        large, desc=f"measuring large ops alone at batch {graph.batch}", unit="op", disable=hide
-    )
-    for op in bar:
+    desc = f"measuring large ops alone at batch {graph.batch}"
+    for op in tqdm(large, desc=desc, unit="op", disable=_bar_hidden(progress)):
         node = nodes[op.name]
         inputs = _node_inputs(node)
         if not all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in inputs):
             continue
-        outputs = node.meta.get("val")
-        outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-        if _bytes_of(inputs) + _bytes_of(outputs) + workspace[op.index] > available // 2:
+        touched = sum(graph.storages[i].nbytes for i in {*op.reads, *op.outputs})
+        if touched + workspace[op.index] > available // 2:
             continue
         try:
             workspace[op.index] = _workspace_alone(node, device, gen)
@@ -541,8 +538,9 @@ def _algorithm_options(
     gen = torch.Generator(device="cpu").manual_seed(0)
     out: dict[str, dict[str, list[list]]] = {}
     sites = algorithm_sites(graph)
-    hide = (not progress) if progress is not None else None  # None: tqdm asks the terminal
-    bar = tqdm(sites, desc="timing convolution algorithms", unit="conv", disable=hide)
+    bar = tqdm(
+        sites, desc="timing convolution algorithms", unit="conv", disable=_bar_hidden(progress)
+    )
     for site in bar:
         fwd = nodes[site["forward"][0]]
         weight_shape, out_shape = fwd.args[1].meta["val"].shape, fwd.meta["val"].shape
@@ -653,7 +651,8 @@ def profile(
     from tqdm import tqdm
 
     scaled = profile_batch != graph.batch
-    at_batch: set[int] = set() if scaled else {op.index for op in graph.ops}
+    every_op = {op.index for op in graph.ops}
+    at_batch: set[int] = set() if scaled else every_op  # ops whose workspace is measured there
     small = graph_at(profile_batch)
     runner = _OpRunner(small, device)
     args_fn = _real_args(model, small, device, dtype)
@@ -661,7 +660,7 @@ def profile(
         total=repeats + 2 + scaled,
         desc=f"profiling {graph.model} at batch {profile_batch} on {device_name(device)}",
         unit="run",
-        disable=(not progress) if progress is not None else None,
+        disable=_bar_hidden(progress),
     )
     try:
         times = _median_times(runner, args_fn, repeats, bar.update)
@@ -677,7 +676,7 @@ def profile(
                 # came out 0.34 MiB under the measured peak. Measure it where it is used.
                 workspace, method = workspace_at(graph)
                 method += f", at batch {graph.batch}"
-                at_batch = {op.index for op in graph.ops}
+                at_batch = every_op
             elif other_graph is not None:
                 # A weight reorder does not grow with the batch: fit each op's a + b * batch.
                 other, _ = workspace_at(other_graph)
