@@ -174,16 +174,14 @@ def _min_schedule(
         )  # fmt: skip
         if first.x_bool is not None and not lean and first.status == "optimal":
             return first.x_bool
-        if first.x_bool is not None:
-            start = first.x_bool
-            said = "re-solving windows of the network from that schedule"
-        else:
-            # GoogLeNet at 320 in normal mode: HiGHS had no schedule after 200 s.
+        start = first.x_bool
+        if start is None:  # GoogLeNet at 320 in normal mode: HiGHS had none after 200 s
             start = least_peak_start(f)
-            gb = evaluate(f, start)["peak_bytes"] / GIB
-            said = f"the MILP found no schedule: windows from a greedy one of {gb:.4f} GB"
-        if progress is not None:
-            progress(said)
+            if progress is not None:
+                gb = evaluate(f, start)["peak_bytes"] / GIB
+                progress(f"the MILP found no schedule: windows from a greedy one of {gb:.4f} GB")
+        elif progress is not None:
+            progress("re-solving windows of the network from that schedule")
     return shrink_peak(f, start, solver, deadline, progress)
 
 
