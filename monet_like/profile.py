@@ -370,24 +370,30 @@ def backward_option(options: dict[str, list[list]], data: int, weight: int) -> t
     return sum(t for t, _ in parts), max((ws for _, ws in parts), default=0)
 
 
+def _measured_sites(graph: Graph, measured: dict[str, dict[str, list[list]]]):
+    """(site id, its options, forward op index, backward op index or None) of every
+    convolution site of `graph` with options in `measured`."""
+    from monet_like.variants import algorithm_sites
+
+    op_index = {op.name: op.index for op in graph.ops}
+    for site in algorithm_sites(graph):
+        options = measured.get(site["id"])
+        if options is not None:
+            yield site["id"], options, op_index[site["forward"][0]], op_index.get(site["backward"])
+
+
 def algorithm_workspace(
     graph: Graph, measured: dict[str, dict[str, list[list]]], chosen: dict[str, list[int]]
 ) -> dict[int, int]:
     """Op index -> workspace bytes of every measured convolution op of `graph`, with the
     algorithms `chosen` for it (site -> [forward, backward-data, backward-weight]; -1,
     PyTorch's own, for a site not named)."""
-    from monet_like.variants import algorithm_sites
-
-    op_index = {op.name: op.index for op in graph.ops}
     workspace = {}
-    for site in algorithm_sites(graph):
-        options = measured.get(site["id"])
-        if options is None:
-            continue
-        forward, data, weight = chosen.get(site["id"], (-1, -1, -1))
-        workspace[op_index[site["forward"][0]]] = option(options["forward"], forward)[1]
-        if site["backward"] in op_index:
-            workspace[op_index[site["backward"]]] = backward_option(options, data, weight)[1]
+    for site, options, forward_op, backward_op in _measured_sites(graph, measured):
+        forward, data, weight = chosen.get(site, (-1, -1, -1))
+        workspace[forward_op] = option(options["forward"], forward)[1]
+        if backward_op is not None:
+            workspace[backward_op] = backward_option(options, data, weight)[1]
     return workspace
 
 
@@ -398,18 +404,12 @@ def _aten_options_take(
     `measured` options to the step's `workspace` at that op, for the op indices in `ops`:
     the forward, and the backward as the step runs it (both parts in one call, or the
     one part its gradient mask asks for)."""
-    from monet_like.variants import algorithm_sites
-
-    op_index = {op.name: op.index for op in graph.ops}
-    for site in algorithm_sites(graph):
-        options = measured.get(site["id"])
-        if options is None:
-            continue
-        steps = [("forward", op_index[site["forward"][0]])]
-        if site["backward"] in op_index:
+    for _, options, forward_op, backward_op in _measured_sites(graph, measured):
+        steps = [("forward", forward_op)]
+        if backward_op is not None:
             parts = [d for d in ("both", "data", "weight") if d in options]
             if parts and (parts[0] == "both" or len(parts) == 1):
-                steps.append((parts[0], op_index[site["backward"]]))
+                steps.append((parts[0], backward_op))
         for direction, i in steps:
             if i in ops:
                 for row in options[direction]:
