@@ -264,7 +264,8 @@ def _available_memory_bytes() -> int | None:
 # small batches, and each op whose fitted figure is at least this many bytes is then run
 # alone at the solved batch, on random inputs of its shapes, and measured. A library may
 # change its method with the size: oneDNN's weight gradient of VGG-16's second convolution
-# takes two activations of scratch at every batch up to 160 and a twentieth of one at 176.
+# takes two activations of scratch at each batch measured from 8 to 160 and a twentieth of
+# one at 176.
 OP_REMEASURE_BYTES = 64 * 2**20
 
 
