@@ -40,9 +40,10 @@ from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocation_peak, record_allocations, store_all_peak
 
-PROFILE_FORMAT = 8  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
+PROFILE_FORMAT = 9  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
 # 7: CPU workspace measured at the solved batch when it fits in memory; 8: where it does not,
-# large ops measured alone there, and PyTorch's convolution algorithm takes the step's figure
+# large ops measured alone there, and PyTorch's convolution algorithm takes the step's figure;
+# 9: per-op times kept (op_times_s), so two graphs' profiles can share their common ops' times
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class Profile:
     # algorithms the device offers as [algorithm, seconds, workspace bytes]; "both": the
     # backward with PyTorch's choice for both parts, which runs as one call
     algorithms: dict[str, dict[str, list[list]]] = field(default_factory=dict)
+    op_times_s: list[float] = field(default_factory=list)  # per op index, at the full batch
+    aligned: str = ""  # how `align_times` set the times against another graph's profile
     cached: bool = field(default=False, compare=False)
 
     def workspace_by_op(
@@ -718,10 +721,9 @@ def profile(
         _aten_options_take(graph, algorithms, workspace, at_batch)
         for i, w in algorithm_workspace(graph, algorithms, {}).items():
             workspace[i] = w
-    ops = graph.ops
+    op_times = [t * scale for t in times]
     nodes = []
     for n in graph.nodes:
-        fwd = sum(times[i] for i in n.ops) * scale
         nodes.append(
             NodeProfile(
                 node=n.id,
@@ -729,9 +731,9 @@ def profile(
                 kind=n.kind,
                 module=n.module,
                 output_bytes=n.output_bytes,
-                forward_s=fwd,
-                backward_s=sum(times[i] for i in n.backward_ops) * scale,
-                recompute_s=fwd,
+                forward_s=0.0,
+                backward_s=0.0,
+                recompute_s=0.0,
                 workspace_bytes=workspace[n.op],
                 backward_workspace_bytes=max((workspace[i] for i in n.backward_ops), default=0),
             )
@@ -751,14 +753,92 @@ def profile(
         workspace_method=method,
         nodes=nodes,
         op_workspace=[(i, w) for i, w in enumerate(workspace) if w > 0],
-        op_forward_s=sum(times[o.index] for o in ops if o.phase == FORWARD) * scale,
-        op_backward_s=sum(times[o.index] for o in ops if o.phase == BACKWARD) * scale,
         profile_seconds=time.perf_counter() - started,
         algorithms=algorithms,
     )
+    result = _with_op_times(result, graph, op_times)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(result.to_json())
         tmp.replace(path)  # atomic: a crash never leaves half a profile behind
     return result
+
+
+def _with_op_times(prof: Profile, graph: Graph, op_times: list[float]) -> Profile:
+    """`prof` with every time derived from `op_times` (seconds per op index of `graph`):
+    each node's forward (and recompute) and backward, and the step's totals."""
+    import dataclasses
+
+    nodes = {n.id: n for n in graph.nodes}
+    timed = []
+    for n in prof.nodes:
+        fwd = sum(op_times[i] for i in nodes[n.node].ops)
+        bwd = sum(op_times[i] for i in nodes[n.node].backward_ops)
+        timed.append(dataclasses.replace(n, forward_s=fwd, backward_s=bwd, recompute_s=fwd))
+    return dataclasses.replace(
+        prof,
+        nodes=timed,
+        op_times_s=list(op_times),
+        op_forward_s=sum(op_times[o.index] for o in graph.ops if o.phase == FORWARD),
+        op_backward_s=sum(op_times[o.index] for o in graph.ops if o.phase == BACKWARD),
+    )
+
+
+def align_times(prof: Profile, graph: Graph, reference: Profile, captured: Graph) -> Profile:
+    """`prof` (of `graph`, the captured graph with variants rewritten in) with its times
+    put on the same footing as `reference` (of `captured`), so that the two graphs'
+    schedules can be compared by time.
+
+    Two profiles taken minutes apart on a shared machine differ by more than the
+    variants change (ResNet-50's store-all step: 24 s in one, 32 s in the next, the same
+    kernels). Here every op both graphs run takes the reference's time: the same name and
+    aten op, or a convolution rewritten for `conv`, which the step runs with PyTorch's
+    own algorithm (the solver scales the other algorithms' times from it). Each op only
+    `graph` runs (a variant's) takes its own time times the ratio of the reference's to
+    `prof`'s over the common ops: the machine's speed during the one profile against
+    the other. A profile without per-op
+    times, or one already aligned to `reference`, is returned as it is."""
+    import dataclasses
+
+    n = len(getattr(graph, "ops", ()))
+    own, theirs_s = getattr(prof, "op_times_s", ()), getattr(reference, "op_times_s", ())
+    if not n or len(own) != n or len(theirs_s) != len(captured.ops):
+        return prof
+    theirs = {o.name: (str(o.target), theirs_s[o.index]) for o in captured.ops}
+    same_work = _same_work(graph)
+    common = {}
+    for o in graph.ops:
+        if theirs.get(o.name, ("", 0.0))[0] == str(o.target):
+            common[o.index] = theirs[o.name][1]
+        elif same_work.get(o.name) in theirs:
+            common[o.index] = theirs[same_work[o.name]][1]
+    own_common = sum(prof.op_times_s[i] for i in common)
+    speed = sum(common.values()) / own_common if own_common > 0 else 1.0
+    times = [common.get(i, prof.op_times_s[i] * speed) for i in range(n)]
+    if prof.aligned and times == prof.op_times_s:
+        return prof
+    aligned = _with_op_times(prof, graph, times)
+    return dataclasses.replace(
+        aligned,
+        aligned=f"{len(common)} of {n} ops timed as in the captured graph's profile,"
+        f" the other {n - len(common)} scaled by {speed:.3f}",
+    )
+
+
+def _same_work(graph: Graph) -> dict[str, str]:
+    """Ops of `graph` (by name) that run the same kernel as an op of the graph it was
+    rewritten from: the convolutions of `conv` sites (PyTorch's algorithm in the step),
+    mapped to the aten convolution each replaced."""
+    from monet_like.variants import algorithm_sites
+
+    if graph.fx is None:
+        return {}
+    nodes = {n.name: n for n in graph.fx.graph.nodes}
+    found = {}
+    for site in algorithm_sites(graph):
+        for name in (site["forward"][0], site["backward"]):
+            replaced = nodes[name].meta.get("replaces", []) if name in nodes else []
+            if replaced:
+                found[name] = replaced[0]  # the captured op, before any rewrite
+    return found

@@ -32,13 +32,19 @@ def test_profile_measures_every_node_and_is_cached(tmp_path):
     conv = next(n for n in first.nodes if n.kind == "convolution")
     assert conv.forward_s > 0 and conv.backward_s > 0 and conv.recompute_s == conv.forward_s
     assert first.step_time_s >= sum(n.forward_s + n.backward_s for n in first.nodes) * 0.999
+    # Per-op times are kept (for align_times) and every figure is their sum.
+    assert len(first.op_times_s) == len(graph.ops)
+    assert first.step_time_s == pytest.approx(sum(first.op_times_s), rel=1e-12)
+    assert conv.forward_s == pytest.approx(
+        sum(first.op_times_s[i] for i in graph.nodes[conv.node].ops), rel=1e-12
+    )
     # Profiling must not touch the model: BatchNorm's running stats stay as they were.
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
     t0 = time.perf_counter()
     second = profile(model, graph, profile_batch=8, repeats=2, progress=False)
     assert second.cached and time.perf_counter() - t0 < 1.0
-    assert second.nodes == first.nodes
+    assert second.nodes == first.nodes and second.op_times_s == first.op_times_s
 
     df = first.to_dataframe()
     assert isinstance(df, pd.DataFrame) and len(df) == len(graph.nodes)
@@ -189,3 +195,28 @@ def test_pytorchs_convolution_algorithm_takes_the_steps_workspace_at_the_solved_
         **{i: w for i, w in step.items() if w > 0},
         **{i: w for i, w in algorithm_workspace(graph, p.algorithms, {}).items() if w > 0},
     }
+
+
+def test_a_conv_graphs_convolutions_take_the_captured_profiles_times():
+    """conv mode changes no op's work in the profiled step (each convolution runs PyTorch's
+    own algorithm there): aligned to the captured graph's profile, every op takes that
+    profile's time and the two store-all steps are equal, however differently the
+    machine ran during the two profiles."""
+    from monet_like.profile import align_times
+    from monet_like.variants import apply
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    captured = capture(model, (3, 16, 16), 8)
+    graph = apply(captured, "conv")
+    reference = profile(model, captured, repeats=1, use_cache=False, progress=False)
+    prof = profile(model, graph, repeats=1, use_cache=False, progress=False)
+    convs = [o for o in graph.ops if str(o.target).startswith("monet_like.conv2d")]
+    assert len(convs) == 4 and not any(o.name in {c.name for c in captured.ops} for o in convs)
+    aligned = align_times(prof, graph, reference, captured)
+    n = len(graph.ops)
+    assert aligned.aligned.startswith(f"{n} of {n} ops timed as in the captured graph's")
+    assert aligned.step_time_s == pytest.approx(reference.step_time_s, rel=1e-12)
+    convolutions = [o for o in captured.ops if "convolution" in str(o.target)]
+    assert sorted(aligned.op_times_s[o.index] for o in convs) == sorted(
+        reference.op_times_s[o.index] for o in convolutions
+    )

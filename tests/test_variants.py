@@ -17,7 +17,7 @@ from monet_like.errors import UserError
 from monet_like.graph import capture, default_loss
 from monet_like.memory import measure_allocator, measure_training_step, state_tensors
 from monet_like.models import make_input, parse_model
-from monet_like.profile import profile
+from monet_like.profile import align_times, profile
 from monet_like.schedule import finalize
 from monet_like.solver import min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
@@ -214,6 +214,65 @@ def test_variants_lower_the_smallest_budget_and_are_never_slower(resnet_newnode)
         chosen = solve(graph, prof, budget, mode="newnode", baseline=(captured, reference))
         assert chosen.predicted_time_s <= plain.predicted_time_s + 1e-9
         assert chosen.predicted_peak_bytes <= budget
+
+
+@pytest.mark.parametrize("machine", [0.5, 1.5])
+def test_the_variant_graphs_times_are_put_on_the_captured_profiles_footing(resnet_newnode, machine):
+    """Which graph's schedule is kept must not follow the machine's speed while each
+    profile was taken (ResNet-50's store-all step: 24 s in one profile, 32 s in the next).
+    The variant graph's profile taken on a machine `machine` times slower gives the same
+    aligned times and the same choice; without the alignment, one of the two directions
+    flips the choice."""
+    import dataclasses
+
+    model, shape, batch, captured, graph, reference, prof = resnet_newnode
+    aligned = align_times(prof, graph, reference, captured)
+    theirs = {o.name: (str(o.target), reference.op_times_s[o.index]) for o in captured.ops}
+    common = {
+        o.index: theirs[o.name][1]
+        for o in graph.ops
+        if theirs.get(o.name, ("",))[0] == str(o.target)
+    }
+    assert len(graph.ops) > len(common) > len(graph.ops) / 2  # the ReLUs' ops differ
+    speed = sum(common.values()) / sum(prof.op_times_s[i] for i in common)
+    for i, t in enumerate(prof.op_times_s):
+        assert aligned.op_times_s[i] == pytest.approx(common.get(i, t * speed), rel=1e-12)
+    assert aligned.step_time_s == pytest.approx(sum(aligned.op_times_s), rel=1e-12)
+    for n in aligned.nodes:
+        node = graph.nodes[n.node]
+        assert n.forward_s == pytest.approx(sum(aligned.op_times_s[i] for i in node.ops))
+        assert n.backward_s == pytest.approx(sum(aligned.op_times_s[i] for i in node.backward_ops))
+    assert align_times(aligned, graph, reference, captured) is aligned  # idempotent
+    assert align_times(reference, captured, reference, captured).op_times_s == reference.op_times_s
+
+    other = dataclasses.replace(
+        prof,
+        op_times_s=[t * machine for t in prof.op_times_s],
+        nodes=[
+            dataclasses.replace(
+                n,
+                forward_s=n.forward_s * machine,
+                backward_s=n.backward_s * machine,
+                recompute_s=n.recompute_s * machine,
+            )
+            for n in prof.nodes
+        ],
+        op_forward_s=prof.op_forward_s * machine,
+        op_backward_s=prof.op_backward_s * machine,
+    )
+    assert align_times(other, graph, reference, captured).op_times_s == pytest.approx(
+        aligned.op_times_s, rel=1e-9
+    )
+    # Above both graphs' store-all peaks each solve is store-all: the choice is the two
+    # steps' times alone.
+    peaks = (
+        build_problem(g, p).store_all_peak_bytes for g, p in ((captured, reference), (graph, prof))
+    )
+    budget = 2 * max(peaks)
+    kept = solve(graph, prof, budget, mode="newnode", baseline=(captured, reference))
+    again = solve(graph, other, budget, mode="newnode", baseline=(captured, reference))
+    assert again.variants == kept.variants
+    assert again.predicted_time_s == pytest.approx(kept.predicted_time_s, rel=1e-9)
 
 
 def test_sites_turned_off_replay_the_aten_ops_they_replaced(resnet_newnode, tmp_path):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from monet_like.errors import UserError
+from monet_like.profile import align_times
 from monet_like.solution import Solution
 from monet_like.solver.milp import (
     STARTABLE,
@@ -211,8 +212,10 @@ def solve(
     variant that only changes what a backward op reads runs, or the aten op it
     replaced; and it also solves the captured graph itself and returns whichever
     schedule is faster (`Solution.variants` says which graph it runs on). So a mode is
-    never slower than `normal` at the same budget. Without it, every variant rewritten
-    into `graph` runs.
+    never slower than `normal` at the same budget. The ops both graphs run take the
+    baseline profile's times, the others theirs scaled to its speed
+    (`monet_like.profile.align_times`), so that machine noise between the two profiles
+    does not decide. Without it, every variant rewritten into `graph` runs.
 
     `frees`: the compact formulation frees a recomputation's inputs after their last
     reader, as the full formulation does (and as the replay does): a smaller smallest
@@ -238,6 +241,10 @@ def solve(
     if baseline is None or not graph.variants:
         return _solve(graph, profile, budget_bytes, reference=None, **options)
     captured, reference = baseline
+    # The two schedules are compared by time: put both profiles on one footing.
+    profile = align_times(profile, graph, reference, captured)
+    if progress is not None and getattr(profile, "aligned", ""):
+        progress(f"times: {profile.aligned}")
     try:
         with_variants = _solve(graph, profile, budget_bytes, reference=reference, **options)
     except InfeasibleBudget as exc:
