@@ -29,7 +29,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -731,7 +731,7 @@ def profile(
                 kind=n.kind,
                 module=n.module,
                 output_bytes=n.output_bytes,
-                forward_s=0.0,
+                forward_s=0.0,  # times: from op_times, by _with_op_times below
                 backward_s=0.0,
                 recompute_s=0.0,
                 workspace_bytes=workspace[n.op],
@@ -768,15 +768,13 @@ def profile(
 def _with_op_times(prof: Profile, graph: Graph, op_times: list[float]) -> Profile:
     """`prof` with every time derived from `op_times` (seconds per op index of `graph`):
     each node's forward (and recompute) and backward, and the step's totals."""
-    import dataclasses
-
     nodes = {n.id: n for n in graph.nodes}
     timed = []
     for n in prof.nodes:
         fwd = sum(op_times[i] for i in nodes[n.node].ops)
         bwd = sum(op_times[i] for i in nodes[n.node].backward_ops)
-        timed.append(dataclasses.replace(n, forward_s=fwd, backward_s=bwd, recompute_s=fwd))
-    return dataclasses.replace(
+        timed.append(replace(n, forward_s=fwd, backward_s=bwd, recompute_s=fwd))
+    return replace(
         prof,
         nodes=timed,
         op_times_s=list(op_times),
@@ -797,10 +795,8 @@ def align_times(prof: Profile, graph: Graph, reference: Profile, captured: Graph
     own algorithm (the solver scales the other algorithms' times from it). Each op only
     `graph` runs (a variant's) takes its own time times the ratio of the reference's to
     `prof`'s over the common ops: the machine's speed during the one profile against
-    the other. A profile without per-op
-    times, or one already aligned to `reference`, is returned as it is."""
-    import dataclasses
-
+    the other. A profile without per-op times, or one already aligned to `reference`,
+    is returned as it is."""
     n = len(getattr(graph, "ops", ()))
     own, theirs_s = getattr(prof, "op_times_s", ()), getattr(reference, "op_times_s", ())
     if not n or len(own) != n or len(theirs_s) != len(captured.ops):
@@ -819,7 +815,7 @@ def align_times(prof: Profile, graph: Graph, reference: Profile, captured: Graph
     if prof.aligned and times == prof.op_times_s:
         return prof
     aligned = _with_op_times(prof, graph, times)
-    return dataclasses.replace(
+    return replace(
         aligned,
         aligned=f"{len(common)} of {n} ops timed as in the captured graph's profile,"
         f" the other {n - len(common)} scaled by {speed:.3f}",
