@@ -809,10 +809,10 @@ def align_times(prof: Profile, graph: Graph, reference: Profile, captured: Graph
             common[o.index] = theirs[o.name][1]
         elif same_work.get(o.name) in theirs:
             common[o.index] = theirs[same_work[o.name]][1]
-    own_common = sum(prof.op_times_s[i] for i in common)
+    own_common = sum(own[i] for i in common)
     speed = sum(common.values()) / own_common if own_common > 0 else 1.0
-    times = [common.get(i, prof.op_times_s[i] * speed) for i in range(n)]
-    if prof.aligned and times == prof.op_times_s:
+    times = [common.get(i, t * speed) for i, t in enumerate(own)]
+    if prof.aligned and times == own:
         return prof
     aligned = _with_op_times(prof, graph, times)
     return replace(

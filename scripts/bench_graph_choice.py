@@ -21,7 +21,7 @@ import pandas as pd
 
 import monet_like.solver as solver_module
 from monet_like.graph import capture
-from monet_like.models import parse_model
+from monet_like.models import parse_input_shape, parse_model
 from monet_like.profile import profile
 from monet_like.units import GIB
 from monet_like.variants import apply
@@ -42,7 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
-    shape = tuple(int(d) for d in args.input_shape.split(","))
+    shape = parse_input_shape(args.input_shape)
     model = parse_model(args.model).build("cpu")
     captured = capture(model, shape, args.batch, model_name=args.model)
     graph = apply(captured, args.mode)
