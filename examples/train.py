@@ -42,7 +42,7 @@ def main() -> None:
     low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
     budget = (low + problem.store_all_peak_bytes) // 2
     sol = solve(graph, prof, budget, solver="HIGHS")
-    finalize(graph, sol, prof.workspace_by_op())
+    finalize(graph, sol, prof)
     sol.save(args.solution)
     print(
         f"schedule for {budget / GIB:.4f} GB (store-all {problem.store_all_peak_bytes / GIB:.4f},"
