@@ -263,7 +263,7 @@ def default_solution_name(spec_name: str, batch: int, mode: str, budget_gb: floa
 def cmd_solve(args) -> dict:
     from monet_like.graph import capture
     from monet_like.profile import profile
-    from monet_like.solver import SOLVERS, parse_mode, solve
+    from monet_like.solver import SOLVERS, parse_mode, schedule_graph, solve
     from monet_like.variants import apply as apply_variants
 
     if args.budget_gb <= 0:
@@ -314,9 +314,15 @@ def cmd_solve(args) -> dict:
     # fake tensors with each op's workspace, gives the exact prediction.
     from monet_like.schedule import finalize
 
-    if baseline is not None and not sol.variants:  # the captured graph's schedule won
-        graph, prof = baseline
-        print("  the captured graph's own schedule is faster: no variant is used", flush=True)
+    if baseline is not None and tuple(sol.variants) != graph.variants:
+        graph, prof = schedule_graph(sol, graph, prof, baseline)
+        print(
+            "  the captured graph's own schedule is faster: no variant is used"
+            if not sol.variants
+            else "  the schedule with only the convolution algorithms is faster: the mode's"
+            " other variants are not used",
+            flush=True,
+        )
     finalize(graph, sol, prof)
     out = args.output or os.path.join(
         args.output_dir, default_solution_name(spec.name, args.batch, args.mode, args.budget_gb)

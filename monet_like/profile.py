@@ -838,3 +838,71 @@ def _same_work(graph: Graph) -> dict[str, str]:
             if replaced:
                 found[name] = replaced[0]  # the captured op, before any rewrite
     return found
+
+
+def derived_profile(
+    graph: Graph, captured: Graph, reference: Profile, measured: Profile, measured_graph: Graph
+) -> Profile | None:
+    """A profile of `graph` (the captured graph with only `conv` rewritten in) built from
+    measurements already taken: every op's time and workspace from `reference` (the
+    captured graph's profile; a convolution site runs PyTorch's algorithm in the step,
+    the kernel the captured op ran), and each convolution's algorithm options from
+    `measured`, the profile of `measured_graph`, another rewrite of the same captured
+    graph with `conv` in it (the sites matched through the captured op each replaced).
+    None when an op of `graph` or one of its sites has no counterpart there.
+
+    The full mode's solve uses it to weigh the convolution algorithms without the
+    mode's other variants, without a third profile."""
+    theirs = {o.name: o for o in captured.ops}
+    same_work = _same_work(graph)
+    ref_times = getattr(reference, "op_times_s", ())
+    if len(ref_times) != len(captured.ops):
+        return None
+    ref_workspace = dict(reference.op_workspace)
+    source = []  # per op of `graph`: the captured op it runs as
+    for o in graph.ops:
+        match = theirs.get(o.name)
+        if match is None or str(match.target) != str(o.target):
+            match = theirs.get(same_work.get(o.name, ""))
+        if match is None:
+            return None
+        source.append(match.index)
+    # a site's options, keyed by the captured convolution it replaced
+    measured_same = _same_work(measured_graph)
+    by_captured = {
+        measured_same[site_id]: options
+        for site_id, options in measured.algorithms.items()
+        if site_id in measured_same
+    }
+    from monet_like.variants import algorithm_sites
+
+    algorithms = {}
+    for site in algorithm_sites(graph):
+        options = by_captured.get(same_work.get(site["id"], ""))
+        if options is None:
+            return None
+        algorithms[site["id"]] = json.loads(json.dumps(options))  # a copy
+    workspace = [ref_workspace.get(i, 0) for i in source]
+    for i, w in algorithm_workspace(graph, algorithms, {}).items():
+        workspace[i] = w
+    nodes = [
+        NodeProfile(
+            node=n.id, name=n.name, kind=n.kind, module=n.module, output_bytes=n.output_bytes,
+            forward_s=0.0, backward_s=0.0, recompute_s=0.0,
+            workspace_bytes=workspace[n.op],
+            backward_workspace_bytes=max((workspace[i] for i in n.backward_ops), default=0),
+        )
+        for n in graph.nodes
+    ]  # fmt: skip
+    derived = replace(
+        reference,
+        fingerprint=graph.fingerprint,
+        nodes=nodes,
+        op_workspace=[(i, w) for i, w in enumerate(workspace) if w > 0],
+        algorithms=algorithms,
+        profile_seconds=0.0,
+        aligned="every op timed as in the captured graph's profile; the convolution"
+        " algorithms' options from the mode's profile",
+        cached=False,
+    )
+    return _with_op_times(derived, graph, [ref_times[i] for i in source])

@@ -67,8 +67,9 @@ def main() -> None:
                 )
             finally:
                 solver_module.align_times = aligned_times
-            kept = "variants" if sol.variants else "captured"
-            other = sol.extra.get("chosen_over_plain", sol.extra.get("chosen_over_variants"))
+            kept = {(): "captured", ("conv",): "conv only"}.get(tuple(sol.variants), "variants")
+            # the fastest of the schedules not kept (on the other graphs)
+            other = min(sol.extra.get("kept_over", {}).values(), default=None)
             row[f"{name}_kept"] = kept
             row[f"{name}_time_s"] = sol.predicted_time_s
             row[f"{name}_other_s"] = other

@@ -5,12 +5,14 @@ newnode, conv, and all four together), the graph is rewritten with the mode's
 variants, profiled on this machine (each mode's own ops timed), and
 solved with HiGHS: the smallest feasible budget (the min-memory problem), then the
 predicted overhead at each budget over the store-all step of the graph the schedule
-runs on (the solver may turn variant sites off, or keep the captured graph: marked
-'*'); the CSV also has it against the normal step. A variant graph's times are put on
-the captured graph's profile's footing first (`align_times`: the ops both run take its
-times), so the two columns compare like with like. A mode's
-smallest budget is the lower of its own graph's and the captured graph's (marked '*'
-when that is the captured one's: solve() falls back to it). Writes a CSV and a PNG.
+runs on (the solver may turn variant sites off, or keep another graph: the captured
+one, or in the full mode the one with the convolution algorithms alone; marked '*',
+the CSV's kept_variants says which); the CSV also has it against the normal step. A
+variant graph's times are put on the captured graph's profile's footing first
+(`align_times`: the ops both run take its times), so the two columns compare like
+with like. A mode's
+smallest budget is the lowest of its own graph's and the others solve() falls back to
+(marked '*' when it is another's). Writes a CSV and a PNG.
 
     python scripts/bench_modes.py [--models resnet50,mobilenet_v2] [--budgets 10,8,6,5]
         [--modes normal,inplace_normal,multiway,newnode,conv_normal,inplace_conv_multiway_newnode]
@@ -31,6 +33,7 @@ from monet_like.solver import (
     DEFAULT_DEPTH,
     MIN_BUDGET_TIME_LIMIT,
     InfeasibleBudget,
+    candidate_graphs,
     min_feasible_budget,
     solve,
 )
@@ -103,12 +106,17 @@ def main() -> None:
                 captured_smallest = own
             smallest_mark = " "
             if graph.variants:
-                # solve() falls back to the captured graph, so the mode reaches the lower of
-                # the two ('*': the captured graph's; VGG-16's full mode, for one)
+                # solve() falls back to the captured graph (and in the full mode to the
+                # algorithms alone), so the mode reaches the lowest ('*': another graph's;
+                # VGG-16's full mode, for one)
                 if captured_smallest is None:
                     captured_smallest = smallest_budget(build_problem(captured, reference))
-                if captured_smallest < own:
-                    smallest, smallest_mark = captured_smallest, "*"
+                others = [captured_smallest] + [
+                    smallest_budget(build_problem(g, p, reference=ref))
+                    for _, g, p, ref in candidate_graphs(graph, prof, baseline)[2:]
+                ]
+                if min(others) < own:
+                    smallest, smallest_mark = min(others), "*"
             row = {
                 "model": name,
                 "batch": batch,
@@ -138,8 +146,9 @@ def main() -> None:
                     overhead = sol.overhead
                     row[f"overhead_{budget:g}gb"] = overhead
                     row[f"vs_normal_{budget:g}gb"] = sol.predicted_time_s / normal_time - 1
-                    # '*': the captured graph's own schedule was faster and is kept
-                    kept = "*" if baseline and not sol.variants else " "
+                    # '*': another graph's schedule was faster and is kept
+                    kept = "*" if tuple(sol.variants) != graph.variants else " "
+                    row[f"kept_variants_{budget:g}gb"] = "+".join(sol.variants) or "none"
                     cells.append(f"{overhead:+8.2%}{kept}")
                 except InfeasibleBudget:
                     row[f"overhead_{budget:g}gb"] = None

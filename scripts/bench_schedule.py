@@ -29,7 +29,13 @@ from monet_like.memory import measure_allocator, state_tensors
 from monet_like.models import make_input, parse_model
 from monet_like.profile import profile
 from monet_like.schedule import finalize
-from monet_like.solver import DEFAULT_DEPTH, InfeasibleBudget, min_feasible_budget, solve
+from monet_like.solver import (
+    DEFAULT_DEPTH,
+    InfeasibleBudget,
+    min_feasible_budget,
+    schedule_graph,
+    solve,
+)
 from monet_like.solver.problem import build_problem
 from monet_like.variants import apply
 from monet_like.wrapper import ScheduleWrapper
@@ -121,7 +127,7 @@ def main() -> None:
             except InfeasibleBudget as exc:
                 print(f"{name:12s} {mode:>24s} {budget / MIB:9.1f}  infeasible: {exc}")
                 continue
-            ran, ran_prof = (graph, prof) if sol.variants or not baseline else baseline
+            ran, ran_prof = schedule_graph(sol, graph, prof, baseline)
             finalize(ran, sol, ran_prof)
             path = sol.save(os.path.join(args.out, f"bench_schedule_{name}_{mode}_{k}.json"))
             wrapped = ScheduleWrapper(model, path, shape)

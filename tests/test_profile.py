@@ -220,3 +220,55 @@ def test_a_conv_graphs_convolutions_take_the_captured_profiles_times():
     assert sorted(aligned.op_times_s[o.index] for o in convs) == sorted(
         reference.op_times_s[o.index] for o in convolutions
     )
+
+
+def _conv_block() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1),
+    )  # fmt: skip
+
+
+def test_a_conv_graphs_profile_is_derived_from_the_captured_and_the_full_modes():
+    """The full mode's solve also weighs the convolution algorithms alone, on a profile
+    built from the two it has: every op as the captured graph's profile has it, every
+    site's algorithm options as the full mode's profile measured them. It must be what
+    profiling that graph gives, once aligned: the same times, the same workspace, the
+    same options (their times aside, which are the machine's)."""
+    from monet_like.profile import align_times, derived_profile
+    from monet_like.solver.problem import build_problem
+    from monet_like.variants import apply
+
+    torch.manual_seed(0)
+    model = _conv_block()
+    captured = capture(model, (3, 16, 16), 8)
+    full = apply(captured, "inplace_conv_multiway_newnode")
+    conv = apply(captured, "conv")
+    reference, full_prof, conv_prof = (
+        profile(model, g, repeats=1, use_cache=False, progress=False)
+        for g in (captured, full, conv)
+    )
+    derived = derived_profile(conv, captured, reference, full_prof, full)
+    measured = align_times(conv_prof, conv, reference, captured)
+    assert derived.fingerprint == conv.fingerprint == measured.fingerprint
+    assert derived.op_times_s == measured.op_times_s
+    assert derived.step_time_s == pytest.approx(reference.step_time_s, rel=1e-12)
+    assert derived.op_workspace == measured.op_workspace
+    assert len(derived.algorithms) == 3
+    assert sorted(derived.algorithms) == sorted(measured.algorithms)
+    for site, options in derived.algorithms.items():
+        for direction, rows in options.items():
+            theirs = measured.algorithms[site][direction]
+            assert [(a, w) for a, _, w in rows] == [(a, w) for a, _, w in theirs]
+    # the full mode's measurements, as taken there
+    assert sorted(map(repr, derived.algorithms.values())) == sorted(
+        map(repr, full_prof.algorithms.values())
+    )
+    ours = build_problem(conv, derived, reference=reference)
+    theirs = build_problem(conv, measured, reference=reference)
+    assert ours.store_all_peak_bytes == theirs.store_all_peak_bytes
+    assert ours.store_all_time_s == pytest.approx(theirs.store_all_time_s, rel=1e-12)
+    # a rewrite without convolution sites gives the algorithms nothing to take from
+    newnode = apply(captured, "newnode")
+    prof = profile(model, newnode, repeats=1, use_cache=False, progress=False)
+    assert derived_profile(conv, captured, reference, prof, newnode) is None

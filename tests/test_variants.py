@@ -17,7 +17,7 @@ from monet_like.errors import UserError
 from monet_like.graph import capture, default_loss
 from monet_like.memory import measure_allocator, measure_training_step, state_tensors
 from monet_like.models import make_input, parse_model
-from monet_like.profile import align_times, profile
+from monet_like.profile import _with_op_times, align_times, profile
 from monet_like.schedule import finalize
 from monet_like.solver import min_feasible_budget, solve
 from monet_like.solver.problem import build_problem
@@ -370,3 +370,70 @@ def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_p
     report = last_json(check)
     assert report["max_abs_output_diff_same_kernels"] == 0.0
     assert report["max_abs_grad_diff_same_kernels"] == 0.0
+
+
+def test_the_full_mode_keeps_the_convolution_algorithms_alone_where_they_are_fastest(tmp_path):
+    """The full mode's solve weighs a third graph beside its own and the captured one:
+    the captured graph with only the convolution algorithms, profiled from the two
+    (`derived_profile`). Here the mode's own ops are made slow (in place, compact, from
+    the output: some of them fixed on) and im2col fast, so that graph's schedule is the
+    fastest: it is kept, `schedule_graph` gives its graph, and the replay is eager
+    PyTorch running the same kernels, bit for bit, within the predicted peak."""
+    from test_profile import _conv_block
+
+    from monet_like.solver import schedule_graph
+
+    torch.manual_seed(0)
+    model, shape, batch = _conv_block(), (3, 16, 16), 8
+    captured = capture(model, shape, batch)
+    graph = apply(captured, FULL)
+    reference = profile(model, captured, repeats=1, use_cache=False, progress=False)
+    prof = profile(model, graph, repeats=1, use_cache=False, progress=False)
+    theirs = {(o.name, str(o.target)) for o in captured.ops}
+    own = [o.index for o in graph.ops if (o.name, str(o.target)) not in theirs]
+    own = [i for i in own if not str(graph.ops[i].target).startswith("monet_like.conv2d")]
+    assert own  # the variants' ops
+    times = list(prof.op_times_s)
+    for i in own:
+        times[i] *= 50
+    prof = _with_op_times(prof, graph, times)
+    for options in prof.algorithms.values():
+        for rows in options.values():
+            for row in rows:
+                if row[0] == 0:  # im2col: a hundredth of PyTorch's own algorithm's time
+                    row[1] = rows[0][1] / 100
+    baseline = (captured, reference)
+    problem = build_problem(captured, reference)  # below its store-all peak: a solve
+    low = min_feasible_budget(problem, 16, False, "HIGHS")
+    budget = (low + problem.store_all_peak_bytes) // 2
+    sol = solve(graph, prof, budget, mode=FULL, solver="HIGHS", baseline=baseline)
+    assert sol.variants == ["conv"] and sol.algorithms
+    others = sol.extra["kept_over"]
+    assert len(others) == 2 and min(others.values()) > sol.predicted_time_s
+    # Above the store-all peak the options are still chosen (store-all used to be
+    # returned at once, with PyTorch's algorithms).
+    roomy = solve(graph, prof, 2**30, mode=FULL, solver="HIGHS", baseline=baseline)
+    assert roomy.variants == ["conv"] and roomy.algorithms
+    assert roomy.predicted_time_s < problem.store_all_time_s
+    assert not any(s["recompute"] for s in roomy.stages)
+    ran, ran_prof = schedule_graph(sol, graph, prof, baseline)
+    assert ran.variants == ("conv",) and ran.fingerprint == sol.fingerprint
+    finalize(ran, sol, ran_prof)
+    path = sol.save(tmp_path / "conv_alone.json")
+
+    eager, replayed, wrapped, x, out_e, out_r = eager_and_replayed(model, path, shape, batch)
+    same = eager_with_algorithms(model, ran, sol.algorithms)
+    torch.manual_seed(1)
+    out_s = same(x)
+    default_loss(out_s).backward()
+    assert torch.equal(out_s, out_r)
+    for p, q in zip(same.parameters(), replayed.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    for b1, b2 in zip(same.buffers(), replayed.buffers(), strict=True):
+        assert torch.equal(b1, b2)
+    assert _relative(out_e, out_r) <= 1e-5
+    replayed.zero_grad(set_to_none=True)
+    allocator = measure_allocator(
+        lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(replayed), x]
+    )
+    assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
