@@ -881,6 +881,11 @@ def derived_profile(
         options = by_captured.get(same_work.get(site["id"], ""))
         if options is None:
             return None
+        if site["backward"] and not {"both", "data", "weight"} & set(options):
+            # Measured there without its backward (the mode's rewrites can leave a site
+            # so: MobileNetV2's full mode has three): options without one would price
+            # this graph's backward at nothing. It runs PyTorch's choice, as profiled.
+            continue
         algorithms[site["id"]] = json.loads(json.dumps(options))  # a copy
     workspace = [ref_workspace.get(i, 0) for i in source]
     for i, w in algorithm_workspace(graph, algorithms, {}).items():

@@ -268,6 +268,15 @@ def test_a_conv_graphs_profile_is_derived_from_the_captured_and_the_full_modes()
     theirs = build_problem(conv, measured, reference=reference)
     assert ours.store_all_peak_bytes == theirs.store_all_peak_bytes
     assert ours.store_all_time_s == pytest.approx(theirs.store_all_time_s, rel=1e-12)
+    # A site measured there without its backward (the mode's rewrites can leave one so)
+    # is left to PyTorch's algorithm here, priced as the step ran it: options without a
+    # backward would have priced this graph's backward at nothing.
+    site = next(iter(full_prof.algorithms))
+    full_prof.algorithms[site] = {"forward": full_prof.algorithms[site]["forward"]}
+    partial = derived_profile(conv, captured, reference, full_prof, full)
+    assert len(partial.algorithms) == 2 and partial.op_times_s == derived.op_times_s
+    left = build_problem(conv, partial, reference=reference)
+    assert len(left.algorithms) == 2 and left.store_all_peak_bytes == ours.store_all_peak_bytes
     # a rewrite without convolution sites gives the algorithms nothing to take from
     newnode = apply(captured, "newnode")
     prof = profile(model, newnode, repeats=1, use_cache=False, progress=False)
