@@ -306,6 +306,31 @@ def test_sites_turned_off_replay_the_aten_ops_they_replaced(resnet_newnode, tmp_
     assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
 
 
+def _replays_like_eager_with_its_algorithms(model, graph, sol, path, shape, batch):
+    """The schedule at `path` (on `graph`, convolution algorithms chosen) replayed: the
+    same step as eager PyTorch running the same algorithms, bit for bit (outputs,
+    gradients, buffers); eager's own output within rounding (the gradients can move
+    further, see monet_like.variants.conv.eager_with_algorithms); the allocator's peak
+    within 1% of the prediction. Returns the wrapped model the replay ran."""
+    eager, replayed, wrapped, x, out_e, out_r = eager_and_replayed(model, path, shape, batch)
+    same = eager_with_algorithms(model, graph, sol.algorithms)
+    torch.manual_seed(1)
+    out_s = same(x)
+    default_loss(out_s).backward()
+    assert torch.equal(out_s, out_r)
+    for p, q in zip(same.parameters(), replayed.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    for b1, b2 in zip(same.buffers(), replayed.buffers(), strict=True):
+        assert torch.equal(b1, b2)
+    assert _relative(out_e, out_r) <= 1e-5
+    replayed.zero_grad(set_to_none=True)
+    allocator = measure_allocator(
+        lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(replayed), x]
+    )
+    assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
+    return wrapped
+
+
 def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_path):
     """conv mode: every convolution's algorithms are measured; below the store-all peak
     the solver trades PyTorch's own for others (oneDNN's reorders cost workspace that
@@ -331,7 +356,7 @@ def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_p
     assert sol.algorithms and sol.predicted_peak_bytes <= budget
     path = sol.save(tmp_path / "conv.json")
 
-    eager, replayed, wrapped, x, out_e, out_r = eager_and_replayed(model, path, shape, batch)
+    wrapped = _replays_like_eager_with_its_algorithms(model, graph, sol, path, shape, batch)
     ran = {
         n.name: list(n.args[-3:])
         for n in wrapped._schedule.fx.graph.nodes
@@ -340,24 +365,6 @@ def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_p
     site, (forward, data, weight) = next(iter(sol.algorithms.items()))
     backward = next(s["backward"] for s in graph.sites if s["id"] == site)
     assert ran[backward][1:] == [data, weight]
-    # Eager PyTorch running the same convolution algorithms: bitwise the same step.
-    same = eager_with_algorithms(model, graph, sol.algorithms)
-    torch.manual_seed(1)
-    out_s = same(x)
-    default_loss(out_s).backward()
-    assert torch.equal(out_s, out_r)
-    for p, q in zip(same.parameters(), replayed.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad)
-    for b1, b2 in zip(same.buffers(), replayed.buffers(), strict=True):
-        assert torch.equal(b1, b2)
-    # Against eager PyTorch's own algorithms: the output within rounding (the gradients
-    # can move further, see monet_like.variants.conv.eager_with_algorithms).
-    assert _relative(out_e, out_r) <= 1e-5
-    replayed.zero_grad(set_to_none=True)
-    allocator = measure_allocator(
-        lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(replayed), x]
-    )
-    assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
     # schedule.py --check_diff reports the replay against both references: against
     # eager PyTorch running the same kernels, it is exact.
     check = subprocess.run(
@@ -421,19 +428,4 @@ def test_the_full_mode_keeps_the_convolution_algorithms_alone_where_they_are_fas
     finalize(ran, sol, ran_prof)
     path = sol.save(tmp_path / "conv_alone.json")
 
-    eager, replayed, wrapped, x, out_e, out_r = eager_and_replayed(model, path, shape, batch)
-    same = eager_with_algorithms(model, ran, sol.algorithms)
-    torch.manual_seed(1)
-    out_s = same(x)
-    default_loss(out_s).backward()
-    assert torch.equal(out_s, out_r)
-    for p, q in zip(same.parameters(), replayed.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad)
-    for b1, b2 in zip(same.buffers(), replayed.buffers(), strict=True):
-        assert torch.equal(b1, b2)
-    assert _relative(out_e, out_r) <= 1e-5
-    replayed.zero_grad(set_to_none=True)
-    allocator = measure_allocator(
-        lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(replayed), x]
-    )
-    assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
+    _replays_like_eager_with_its_algorithms(model, ran, sol, path, shape, batch)
