@@ -23,6 +23,7 @@ dtype, device and torch version.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -722,22 +723,7 @@ def profile(
         for i, w in algorithm_workspace(graph, algorithms, {}).items():
             workspace[i] = w
     op_times = [t * scale for t in times]
-    nodes = []
-    for n in graph.nodes:
-        nodes.append(
-            NodeProfile(
-                node=n.id,
-                name=n.name,
-                kind=n.kind,
-                module=n.module,
-                output_bytes=n.output_bytes,
-                forward_s=0.0,  # times: from op_times, by _with_op_times below
-                backward_s=0.0,
-                recompute_s=0.0,
-                workspace_bytes=workspace[n.op],
-                backward_workspace_bytes=max((workspace[i] for i in n.backward_ops), default=0),
-            )
-        )
+    nodes = _node_profiles(graph, workspace)  # times: from op_times, by _with_op_times
     result = Profile(
         format=PROFILE_FORMAT,
         model=graph.model,
@@ -763,6 +749,26 @@ def profile(
         tmp.write_text(result.to_json())
         tmp.replace(path)  # atomic: a crash never leaves half a profile behind
     return result
+
+
+def _node_profiles(graph: Graph, workspace: list[int]) -> list[NodeProfile]:
+    """Each node's profile with its workspace from `workspace` (per op index) and its
+    times zero: `_with_op_times` fills them from per-op times."""
+    return [
+        NodeProfile(
+            node=n.id,
+            name=n.name,
+            kind=n.kind,
+            module=n.module,
+            output_bytes=n.output_bytes,
+            forward_s=0.0,
+            backward_s=0.0,
+            recompute_s=0.0,
+            workspace_bytes=workspace[n.op],
+            backward_workspace_bytes=max((workspace[i] for i in n.backward_ops), default=0),
+        )
+        for n in graph.nodes
+    ]
 
 
 def _with_op_times(prof: Profile, graph: Graph, op_times: list[float]) -> Profile:
@@ -801,14 +807,7 @@ def align_times(prof: Profile, graph: Graph, reference: Profile, captured: Graph
     own, theirs_s = getattr(prof, "op_times_s", ()), getattr(reference, "op_times_s", ())
     if not n or len(own) != n or len(theirs_s) != len(captured.ops):
         return prof
-    theirs = {o.name: (str(o.target), theirs_s[o.index]) for o in captured.ops}
-    same_work = _same_work(graph)
-    common = {}
-    for o in graph.ops:
-        if theirs.get(o.name, ("", 0.0))[0] == str(o.target):
-            common[o.index] = theirs[o.name][1]
-        elif same_work.get(o.name) in theirs:
-            common[o.index] = theirs[same_work[o.name]][1]
+    common = {i: theirs_s[j] for i, j in _counterparts(graph, captured).items()}
     own_common = sum(own[i] for i in common)
     speed = sum(common.values()) / own_common if own_common > 0 else 1.0
     times = [common.get(i, t * speed) for i, t in enumerate(own)]
@@ -820,6 +819,23 @@ def align_times(prof: Profile, graph: Graph, reference: Profile, captured: Graph
         aligned=f"{len(common)} of {n} ops timed as in the captured graph's profile,"
         f" the other {n - len(common)} scaled by {speed:.3f}",
     )
+
+
+def _counterparts(graph: Graph, captured: Graph) -> dict[int, int]:
+    """Op index in `graph` -> index of the op of `captured` (the graph it was rewritten
+    from) that does the same work: the same name and aten op, or a `conv` site's
+    convolution or its backward, which the profiled step runs with PyTorch's own
+    algorithm, mapped to the aten op it replaced. Ops only `graph` runs are absent."""
+    theirs = {o.name: o for o in captured.ops}
+    same_work = _same_work(graph)
+    found = {}
+    for o in graph.ops:
+        match = theirs.get(o.name)
+        if match is None or str(match.target) != str(o.target):
+            match = theirs.get(same_work.get(o.name, ""))
+        if match is not None:
+            found[o.index] = match.index
+    return found
 
 
 def _same_work(graph: Graph) -> dict[str, str]:
@@ -853,20 +869,13 @@ def derived_profile(
 
     The full mode's solve uses it to weigh the convolution algorithms without the
     mode's other variants, without a third profile."""
-    theirs = {o.name: o for o in captured.ops}
-    same_work = _same_work(graph)
     ref_times = getattr(reference, "op_times_s", ())
-    if len(ref_times) != len(captured.ops):
+    counterpart = _counterparts(graph, captured)
+    if len(ref_times) != len(captured.ops) or len(counterpart) != len(graph.ops):
         return None
     ref_workspace = dict(reference.op_workspace)
-    source = []  # per op of `graph`: the captured op it runs as
-    for o in graph.ops:
-        match = theirs.get(o.name)
-        if match is None or str(match.target) != str(o.target):
-            match = theirs.get(same_work.get(o.name, ""))
-        if match is None:
-            return None
-        source.append(match.index)
+    source = [counterpart[o.index] for o in graph.ops]  # the captured op each runs as
+    same_work = _same_work(graph)
     # a site's options, keyed by the captured convolution it replaced
     measured_same = _same_work(measured_graph)
     by_captured = {
@@ -886,19 +895,11 @@ def derived_profile(
             # so: MobileNetV2's full mode has three): options without one would price
             # this graph's backward at nothing. It runs PyTorch's choice, as profiled.
             continue
-        algorithms[site["id"]] = json.loads(json.dumps(options))  # a copy
+        algorithms[site["id"]] = copy.deepcopy(options)
     workspace = [ref_workspace.get(i, 0) for i in source]
     for i, w in algorithm_workspace(graph, algorithms, {}).items():
         workspace[i] = w
-    nodes = [
-        NodeProfile(
-            node=n.id, name=n.name, kind=n.kind, module=n.module, output_bytes=n.output_bytes,
-            forward_s=0.0, backward_s=0.0, recompute_s=0.0,
-            workspace_bytes=workspace[n.op],
-            backward_workspace_bytes=max((workspace[i] for i in n.backward_ops), default=0),
-        )
-        for n in graph.nodes
-    ]  # fmt: skip
+    nodes = _node_profiles(graph, workspace)
     derived = replace(
         reference,
         fingerprint=graph.fingerprint,
