@@ -93,9 +93,15 @@ def test_mobilenet_batch_norm_from_output_and_in_place():
     assert alone["aten.add.Tensor"] == targets(graph)["aten.add.Tensor"] - 10
     assert alone["monet_like.batch_norm_inplace_"] == 0
     # A convolution reading a BatchNorm output written over the previous convolution's:
-    # every one of the 52 still gets its algorithm choice.
-    full = targets(apply(graph, FULL))
+    # every one of the 52 still gets its algorithm choice, in both directions (the
+    # backward of 7 used to stay aten's: it reads the earlier, already replaced
+    # convolution's output by its new name).
+    full_graph = apply(graph, FULL)
+    full = targets(full_graph)
     assert full["monet_like.conv2d_algo"] == targets(graph)["aten.convolution"] == 52
+    assert full["monet_like.conv2d_backward_algo"] == 52
+    assert full.get("aten.convolution_backward", 0) == 0
+    assert all(s["backward"] for s in full_graph.sites if s.get("algorithm"))
 
 
 # (expression, input shape, batch): the whole-model check the issue asks for.

@@ -29,10 +29,6 @@ DEFAULT_ALGO = -1  # PyTorch's own choice
 
 def _conv_algorithm(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
     ops = torch.ops.monet_like
-    backward_of: dict[tuple[str, str], list[torch.fx.Node]] = {}
-    for bwd in calls(gm, aten.convolution_backward.default):
-        key = (source(bwd.args[1]).name, source(bwd.args[2]).name)
-        backward_of.setdefault(key, []).append(bwd)
     changed = 0
     for fwd in calls(gm, aten.convolution.default):
         x, w, b, stride, padding, dilation, transposed, _out_pad, groups = args_with_defaults(fwd)
@@ -40,10 +36,15 @@ def _conv_algorithm(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -
             continue
         stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
         geometry = (stride, padding, dilation, groups)
+        # Looked up now, not before the loop: the input may be the output of a
+        # convolution this loop already replaced (in MobileNetV2's full mode, BatchNorm
+        # and ReLU6 run in place over it), which the backward now reads by a new name.
         matches = [
             n
-            for n in backward_of.get((source(x).name, source(w).name), [])
-            if (pair(n.args[4]), pair(n.args[5]), pair(n.args[6]), n.args[9]) == geometry
+            for n in calls(gm, aten.convolution_backward.default)
+            if source(n.args[1]) is source(x)
+            and source(n.args[2]) is source(w)
+            and (pair(n.args[4]), pair(n.args[5]), pair(n.args[6]), n.args[9]) == geometry
         ]
         if len(matches) > 1:
             continue  # the same layer applied twice to the same input: leave both alone
