@@ -41,10 +41,11 @@ from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocation_peak, record_allocations, store_all_peak
 
-PROFILE_FORMAT = 9  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
+PROFILE_FORMAT = 10  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
 # 7: CPU workspace measured at the solved batch when it fits in memory; 8: where it does not,
 # large ops measured alone there, and PyTorch's convolution algorithm takes the step's figure;
-# 9: per-op times kept (op_times_s), so two graphs' profiles can share their common ops' times
+# 9: per-op times kept (op_times_s), so two graphs' profiles can share their common ops' times;
+# 10: on CPU, PyTorch's convolution algorithm over 2 and 8 batch chunks among the options
 
 
 @dataclass(frozen=True)

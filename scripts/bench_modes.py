@@ -10,9 +10,8 @@ one, or in the full mode the one with the convolution algorithms alone; marked '
 the CSV's kept_variants says which); the CSV also has it against the normal step. A
 variant graph's times are put on the captured graph's profile's footing first
 (`align_times`: the ops both run take its times), so the two columns compare like
-with like. A mode's
-smallest budget is the lowest of its own graph's and the others solve() falls back to
-(marked '*' when it is another's). Writes a CSV and a PNG.
+with like. A mode's smallest budget is the lowest of its own graph's and the others
+solve() falls back to (marked '*' when it is another's). Writes a CSV and a PNG.
 
     python scripts/bench_modes.py [--models resnet50,mobilenet_v2] [--budgets 10,8,6,5]
         [--modes normal,inplace_normal,multiway,newnode,conv_normal,inplace_conv_multiway_newnode]

@@ -305,18 +305,22 @@ def conv_case(cfg, g: torch.Generator, dtype=torch.float32):
 def test_conv_algorithms_match_aten(ops, cfg):
     x, w, b, geometry = conv_case(cfg, gen(21))
     stride, padding, dilation, groups = geometry
-    assert ops.conv2d_algorithms(x, w, *geometry) == [2, -1, 0] * 3
+    assert ops.conv2d_algorithms(x, w, *geometry) == [4, -1, 0, -2, -8] * 3
     ref = aten.convolution(x, w, b, stride, padding, dilation, False, [0, 0], groups)
     assert same_bits(ops.conv2d_algo(x, w, b, *geometry, -1), ref)  # PyTorch's own choice
     assert rel(ops.conv2d_algo(x, w, b, *geometry, 0), ref) < 1e-6  # im2col: another sum order
+    # PyTorch's choice over batch chunks (more chunks than samples: one per sample); oneDNN
+    # may pick another kernel for the smaller batch
+    for chunked in (-2, -8):
+        assert rel(ops.conv2d_algo(x, w, b, *geometry, chunked), ref) < 1e-6
     dy = torch.randn(ref.shape, generator=gen(22))
     bias_sizes = [w.shape[0]] if b is not None else None
     mask = [True, True, b is not None]
     want = aten.convolution_backward(
         dy, x, w, bias_sizes, stride, padding, dilation, False, [0, 0], groups, mask
     )
-    for data in (-1, 0):
-        for weight in (-1, 0):
+    for data in (-1, 0, -2, -8):
+        for weight in (-1, 0, -2, -8):
             got = ops.conv2d_backward_algo(dy, x, w, *geometry, mask, data, weight)
             for k in range(3 if b is not None else 2):
                 assert rel(got[k], want[k]) < 1e-6, (data, weight, k)
@@ -336,17 +340,19 @@ def test_conv_backward_parts_follow_the_mask(ops):
 def test_conv_grouped_or_dilated_offers_only_pytorchs_choice(ops):
     x = torch.randn(2, 8, 9, 9)
     depthwise = torch.randn(8, 1, 3, 3)
-    assert ops.conv2d_algorithms(x, depthwise, [1, 1], [1, 1], [1, 1], 8) == [1, -1] * 3
+    assert ops.conv2d_algorithms(x, depthwise, [1, 1], [1, 1], [1, 1], 8) == [3, -1, -2, -8] * 3
     with pytest.raises(RuntimeError, match="only -1"):
         ops.conv2d_algo(x, depthwise, None, [1, 1], [1, 1], [1, 1], 8, 0)
     w = torch.randn(4, 8, 3, 3)
-    assert ops.conv2d_algorithms(x, w, [1, 1], [2, 2], [2, 2], 1) == [1, -1] * 3
+    assert ops.conv2d_algorithms(x, w, [1, 1], [2, 2], [2, 2], 1) == [3, -1, -2, -8] * 3
+    ref = aten.convolution(x, depthwise, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 8)
+    assert rel(ops.conv2d_algo(x, depthwise, None, [1, 1], [1, 1], [1, 1], 8, -2), ref) < 1e-6
     with pytest.raises(RuntimeError, match="backward-weight algorithm 3"):
         dy = torch.randn(2, 4, 9, 9)
         ops.conv2d_backward_algo(dy, x, w, [1, 1], [1, 1], [1, 1], 1, [True, True, False], 0, 3)
 
 
-@pytest.mark.parametrize("algo", [-1, 0])
+@pytest.mark.parametrize("algo", [-1, 0, -2])
 def test_gradcheck_conv_registered_autograd(ops, algo):
     x, w, b, geometry = conv_case(CONVS[3], gen(25), torch.float64)
     args = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_())
@@ -401,15 +407,16 @@ def opcheck_cases(ops) -> list[tuple[str, object, tuple]]:
                 ops.conv2d_algo,
                 (x.clone().requires_grad_(), cw.clone().requires_grad_(), cb, *geometry, algo),
             )
-            for algo in (-1, 0)
+            for algo in (-1, 0, -2)
         ],
         *[
             (
-                f"conv2d_backward_algo_{mask}",
+                f"conv2d_backward_algo_{mask}_{data}",
                 ops.conv2d_backward_algo,
-                (torch.randn(2, 4, 5, 5, generator=g), x, cw, *geometry, mask, 0, -1),
+                (torch.randn(2, 4, 5, 5, generator=g), x, cw, *geometry, mask, data, -1),
             )
             for mask in ([True, True, True], [False, True, False])
+            for data in (0, -2)
         ],
     ]
 

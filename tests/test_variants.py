@@ -351,7 +351,7 @@ def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_p
     for options in prof.algorithms.values():
         for direction, rows in options.items():
             # "both": PyTorch's choice for the whole backward, one call
-            algorithms = [-1] if direction == "both" else [-1, 0]
+            algorithms = [-1] if direction == "both" else [-1, 0, -2, -8]
             assert [a for a, _, _ in rows] == algorithms and all(t > 0 for _, t, _ in rows)
     problem = build_problem(graph, prof)
     assert len(problem.algorithms) == 20
@@ -435,3 +435,34 @@ def test_the_full_mode_keeps_the_convolution_algorithms_alone_where_they_are_fas
     path = sol.save(tmp_path / "conv_alone.json")
 
     _replays_like_eager_with_its_algorithms(model, ran, sol, path, shape, batch)
+
+
+def test_batch_chunks_lower_the_smallest_budget_where_workspace_binds(tmp_path):
+    """PyTorch's convolution over batch chunks (algorithms -2, -8) holds a k-th of
+    oneDNN's workspace, a blocked copy of the layer's input or output. In a net whose
+    peak is a depthwise convolution's (im2col does not apply there), conv mode's
+    smallest budget is below normal mode's, the schedule there runs a layer in chunks,
+    and the replay is eager PyTorch running the same kernels, bit for bit, within 1%
+    of the predicted peak."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1),
+        torch.nn.Conv2d(32, 32, 3, padding=1, groups=32),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32, 10),
+    )
+    shape, batch = (3, 64, 64), 16
+    captured = capture(model, shape, batch)
+    graph = apply(captured, "conv")
+    reference = profile(model, captured, repeats=1, use_cache=False, progress=False)
+    prof = profile(model, graph, repeats=1, use_cache=False, progress=False)
+    normal_low = min_feasible_budget(build_problem(captured, reference), 16, False, "HIGHS")
+    low = min_feasible_budget(build_problem(graph, prof), 16, False, "HIGHS")
+    assert low < 0.95 * normal_low
+    sol = solve(graph, prof, int(low * 1.002), mode="conv", solver="HIGHS")
+    assert any(a in (-2, -8) for chosen in sol.algorithms.values() for a in chosen)
+    finalize(graph, sol, prof)
+    path = sol.save(tmp_path / "chunks.json")
+    _replays_like_eager_with_its_algorithms(model, graph, sol, path, shape, batch)
