@@ -41,11 +41,12 @@ from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocation_peak, record_allocations, store_all_peak
 
-PROFILE_FORMAT = 10  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
+PROFILE_FORMAT = 11  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
 # 7: CPU workspace measured at the solved batch when it fits in memory; 8: where it does not,
 # large ops measured alone there, and PyTorch's convolution algorithm takes the step's figure;
 # 9: per-op times kept (op_times_s), so two graphs' profiles can share their common ops' times;
-# 10: on CPU, PyTorch's convolution algorithm over 2 and 8 batch chunks among the options
+# 10: on CPU, PyTorch's convolution algorithm over 2 and 8 batch chunks among the options;
+# 11: their workspace, where fitted from batches below the chunk count, from PyTorch's own
 
 
 @dataclass(frozen=True)
@@ -522,6 +523,40 @@ def _site_calls(site: dict, nodes: dict, rows: int, device: torch.device, gen) -
     return calls
 
 
+def _fit_chunked(
+    keys: list[tuple[str, int]],
+    ws1: list[int],
+    b1: int,
+    ws2: list[int],
+    b2: int,
+    fitted: list[int],
+    fwd: torch.fx.Node,
+    batch: int,
+) -> None:
+    """Fitted workspace of the batch-chunk options (algorithm -k, see csrc/ops.cpp), set
+    in `fitted`: where a measured batch had fewer than k samples the call ran one per
+    sample there, and its line says nothing of a chunk of batch / k at the solved batch
+    (VGG-16's first layers at 4 and 8 gave 0.03 GB for 8 chunks of 22). A chunk runs
+    PyTorch's algorithm on batch / k samples, then its result is copied into the whole
+    output: the -1 option's line at that batch, plus one chunk's result (the layer's
+    output in the forward, its input's gradient in the backward-data part)."""
+    rows = {key: i for i, key in enumerate(keys)}
+    x_val, y_val = fwd.args[0].meta["val"], fwd.meta["val"]
+    result = {"forward": y_val, "data": x_val}
+    for (direction, algo), i in rows.items():
+        k = -algo
+        if algo > -2 or min(b1, b2) >= k or (direction, -1) not in rows:
+            continue
+        whole = rows[(direction, -1)]
+        rows_per_chunk = -(-batch // k)
+        (line,) = _extrapolate([ws1[whole]], b1, [ws2[whole]], b2, rows_per_chunk)
+        value = result.get(direction)
+        chunk_result = 0
+        if value is not None:
+            chunk_result = value.numel() // value.shape[0] * rows_per_chunk * value.element_size()
+        fitted[i] = line + chunk_result
+
+
 def _algorithm_options(
     graph: Graph,
     device: torch.device,
@@ -566,7 +601,9 @@ def _algorithm_options(
             if second != timed_at:
                 others = _site_calls(site, nodes, second, device, gen)
                 other_ws = [_workspace_of(c, device) for rows in others.values() for _, c in rows]
-                workspace = _extrapolate(workspace, timed_at, other_ws, second, graph.batch)
+                fitted = _extrapolate(workspace, timed_at, other_ws, second, graph.batch)
+                _fit_chunked(keys, workspace, timed_at, other_ws, second, fitted, fwd, graph.batch)
+                workspace = fitted
         entry: dict[str, list[list]] = {}
         for (direction, algo), t, ws in zip(keys, seconds, workspace, strict=True):
             entry.setdefault(direction, []).append([algo, t * graph.batch / timed_at, ws])

@@ -162,6 +162,36 @@ def test_convolution_algorithms_workspace_at_the_solved_batch(
     assert "data" not in first and "data" in second  # the input needs no gradient
 
 
+def test_batch_chunk_options_workspace_fitted_from_batches_smaller_than_the_chunks(monkeypatch):
+    """conv mode: 8 batch chunks (-8) fitted from batches 2 and 4 ran one sample per
+    chunk there; at the solved batch a chunk holds 4. Their fitted workspace follows
+    PyTorch's algorithm at the chunk's batch plus one chunk's result, and agrees with
+    the figure measured at the solved batch (it was the one-sample figure: a quarter)."""
+    from monet_like import profile as profile_module
+    from monet_like.variants import apply
+
+    model = nn.Sequential(
+        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1)
+    )
+    graph = apply(capture(model, (8, 24, 24), 32), "conv")
+
+    def options(timing_flops, workspace_flops):
+        monkeypatch.setattr(profile_module, "ALGORITHM_TIMING_FLOPS", timing_flops)
+        monkeypatch.setattr(profile_module, "ALGORITHM_WORKSPACE_FLOPS", workspace_flops)
+        p = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
+        return p.algorithms
+
+    fitted, measured = options(1, 1), options(1, 1e15)
+    for site, directions in measured.items():
+        for direction in ("forward", "data"):
+            if direction not in directions:
+                continue
+            at_batch = dict((a, ws) for a, _, ws in directions[direction])
+            got = dict((a, ws) for a, _, ws in fitted[site][direction])
+            assert at_batch[-8] > 0
+            assert got[-8] == pytest.approx(at_batch[-8], rel=0.1), (site, direction)
+
+
 def test_pytorchs_convolution_algorithm_takes_the_steps_workspace_at_the_solved_batch(
     monkeypatch,
 ):
