@@ -135,9 +135,11 @@ def eager_with_algorithms(
     copied = copy.deepcopy(model)
     module_of = {n.name: n.module for n in graph.nodes}
     for site in graph.sites:
-        chosen = algorithms.get(site["id"])
-        if chosen is None:
+        if not site.get("algorithm"):
             continue
+        # A site left to PyTorch's algorithms runs as conv2d_algo too in the replay, which
+        # sums a bias's gradient apart from oneDNN's backward: so here as well.
+        chosen = algorithms.get(site["id"], [DEFAULT_ALGO] * 3)
         conv = copied.get_submodule(module_of[site["forward"][0]])
         geometry = (list(conv.stride), list(conv.padding), list(conv.dilation), conv.groups)
         conv.forward = lambda x, c=conv, g=geometry, a=chosen: _ConvWithAlgorithms.apply(
