@@ -929,9 +929,9 @@ def derived_profile(
         if options is None:
             return None
         if site["backward"] and not {"both", "data", "weight"} & set(options):
-            # Measured there without its backward (the mode's rewrites can leave a site
-            # so: MobileNetV2's full mode has three): options without one would price
-            # this graph's backward at nothing. It runs PyTorch's choice, as profiled.
+            # Measured there without its backward (a rewrite that left a site unpaired,
+            # as the conv pass once did in MobileNetV2's full mode): options without one
+            # would price this graph's backward at nothing. It runs PyTorch's choice.
             continue
         algorithms[site["id"]] = copy.deepcopy(options)
     workspace = [ref_workspace.get(i, 0) for i in source]
