@@ -415,19 +415,108 @@ at::Tensor double_vector(const std::vector<double>& v) {
   return at::tensor(at::ArrayRef<double>(v), at::TensorOptions().dtype(at::kDouble));
 }
 
+// Training BatchNorm backward from a value v whose per-channel affine map gives the
+// normalized input: xhat = (v - shift[c]) * scale[c]. From the output: v = y, shift =
+// beta, scale = 1 / gamma; from the input: v = x, shift = mean, scale = invstd. No
+// buffer as large as the input (aten's CPU kernel takes one). `grad_input` may be
+// `dy` itself: each element is read before the same element is written.
+struct BatchNormSums {
+  std::vector<double> dy, xhat_dy;  // per channel: sum(dy), sum(xhat * dy)
+};
+
+BatchNormSums batch_norm_backward_into(const at::Tensor& dy, const at::Tensor& v,
+                                       const std::vector<double>& shift,
+                                       const std::vector<double>& scale,
+                                       const std::vector<double>& w,
+                                       const std::vector<double>& invstd,
+                                       at::Tensor* grad_input) {
+  const int64_t N = v.size(0), C = v.size(1);
+  const int64_t S = (N * C) == 0 ? 0 : v.numel() / (N * C);
+  const double count = static_cast<double>(N * S);
+  BatchNormSums sums{std::vector<double>(C, 0.0), std::vector<double>(C, 0.0)};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "batch_norm_backward", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* dyp = dy.const_data_ptr<scalar_t>();
+    const scalar_t* vp = v.const_data_ptr<scalar_t>();
+    // Per-channel sums of dy and of xhat * dy, in double.
+    at::parallel_for(0, C, grain_for(N * S), [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        double s_dy[kLanes] = {}, s_vdy[kLanes] = {};
+        const double sc = shift[c];
+        for (int64_t n = 0; n < N; ++n) {
+          const scalar_t* __restrict__ gr = dyp + (n * C + c) * S;
+          const scalar_t* __restrict__ vr = vp + (n * C + c) * S;
+          for_lanes(S, [&](int64_t i, int l) {
+            const double g = static_cast<double>(gr[i]);
+            s_dy[l] += g;
+            s_vdy[l] += (static_cast<double>(vr[i]) - sc) * g;
+          });
+        }
+        sums.dy[c] = lanes_total(s_dy);
+        sums.xhat_dy[c] = lanes_total(s_vdy) * scale[c];
+      }
+    });
+    if (grad_input == nullptr || count == 0) {
+      return;
+    }
+    // dx = w * invstd * (dy - mean(dy) - xhat * mean(xhat * dy)), expanded so that
+    // each element costs two multiply-adds and no division. No __restrict__ on dy and
+    // dx: they are one buffer when the gradient is written in place.
+    scalar_t* dxp = grad_input->data_ptr<scalar_t>();
+    at::parallel_for(0, N * C, grain_for(S), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t c = r % C;
+        const double a = w[c] * invstd[c];
+        const double k = a * scale[c] * sums.xhat_dy[c] / count;
+        const auto ca = static_cast<opmath_t>(a);
+        const auto ck = static_cast<opmath_t>(-k);
+        const auto c0 = static_cast<opmath_t>(k * shift[c] - a * sums.dy[c] / count);
+        const scalar_t* gr = dyp + r * S;
+        const scalar_t* __restrict__ vr = vp + r * S;
+        scalar_t* dx = dxp + r * S;
+        for (int64_t s = 0; s < S; ++s) {
+          const auto g = static_cast<opmath_t>(gr[s]);
+          const auto x = static_cast<opmath_t>(vr[s]);
+          dx[s] = static_cast<scalar_t>(ca * g + ck * x + c0);
+        }
+      }
+    });
+  });
+  return sums;
+}
+
+// Parameter gradients take the weight's dtype, as aten's do (float for a bfloat16
+// input with float weights).
+std::tuple<at::Tensor, at::Tensor> batch_norm_param_grads(
+    const BatchNormSums& sums, const at::Tensor& like, const std::optional<at::Tensor>& weight,
+    std::array<bool, 3> output_mask) {
+  const at::ScalarType param_dtype = defined(weight) ? weight->scalar_type() : like.scalar_type();
+  at::Tensor grad_weight, grad_bias;
+  if (output_mask[1]) {
+    grad_weight = double_vector(sums.xhat_dy).to(like.options().dtype(param_dtype));
+  }
+  if (output_mask[2]) {
+    grad_bias = double_vector(sums.dy).to(like.options().dtype(param_dtype));
+  }
+  return std::make_tuple(grad_weight, grad_bias);
+}
+
+void check_batch_norm_backward(const at::Tensor& grad_output, const at::Tensor& v,
+                               const char* op, const char* v_name) {
+  TORCH_CHECK(v.dim() >= 2, op, ": expected at least 2 dims (N, C, ...), got ", v.dim());
+  TORCH_CHECK(grad_output.sizes() == v.sizes(), op, ": grad_output ", grad_output.sizes(),
+              " and ", v_name, " ", v.sizes(), " differ in shape");
+  TORCH_CHECK(grad_output.scalar_type() == v.scalar_type(), op, ": grad_output and ", v_name,
+              " differ in dtype");
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_from_output(
     const at::Tensor& grad_output, const at::Tensor& output,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& save_invstd, std::array<bool, 3> output_mask) {
   const char* op = "batch_norm_backward_from_output";
-  TORCH_CHECK(output.dim() >= 2, op, ": expected at least 2 dims (N, C, ...), got ",
-              output.dim());
-  TORCH_CHECK(grad_output.sizes() == output.sizes(), op, ": grad_output ", grad_output.sizes(),
-              " and output ", output.sizes(), " differ in shape");
-  TORCH_CHECK(grad_output.scalar_type() == output.scalar_type(), op,
-              ": grad_output and output differ in dtype");
-  const int64_t N = output.size(0), C = output.size(1);
-  const int64_t S = (N * C) == 0 ? 0 : output.numel() / (N * C);
+  check_batch_norm_backward(grad_output, output, op, "output");
+  const int64_t C = output.size(1);
   const std::vector<double> w = channel_values(weight, C, 1.0, op, "weight");
   const std::vector<double> b = channel_values(bias, C, 0.0, op, "bias");
   const std::vector<double> invstd = channel_values(save_invstd, C, 0.0, op, "save_invstd");
@@ -438,75 +527,63 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_from_output(
                   "recover its input from its output");
     }
   }
-
+  std::vector<double> inv_w(C);
+  for (int64_t c = 0; c < C; ++c) {
+    inv_w[c] = w[c] == 0.0 ? 0.0 : 1.0 / w[c];  // 0 only where neither dx nor dw is asked
+  }
   const at::Tensor dy = grad_output.contiguous();
-  const at::Tensor y = output.contiguous();
-  const double count = static_cast<double>(N * S);
-  std::vector<double> sum_dy(C, 0.0), sum_xhat_dy(C, 0.0);
   at::Tensor grad_input;
   if (output_mask[0]) {
     grad_input = at::empty(dy.sizes(), dy.options());
   }
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "batch_norm_backward_from_output", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    const scalar_t* dyp = dy.const_data_ptr<scalar_t>();
-    const scalar_t* yp = y.const_data_ptr<scalar_t>();
-    // Per-channel sums of dy and of xhat * dy, xhat = (y - b) / w, in double.
-    at::parallel_for(0, C, grain_for(N * S), [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) {
-        double s_dy[kLanes] = {}, s_ydy[kLanes] = {};
-        const double bc = b[c];
-        for (int64_t n = 0; n < N; ++n) {
-          const scalar_t* __restrict__ gr = dyp + (n * C + c) * S;
-          const scalar_t* __restrict__ yr = yp + (n * C + c) * S;
-          for_lanes(S, [&](int64_t i, int l) {
-            const double g = static_cast<double>(gr[i]);
-            s_dy[l] += g;
-            s_ydy[l] += (static_cast<double>(yr[i]) - bc) * g;
-          });
-        }
-        sum_dy[c] = lanes_total(s_dy);
-        sum_xhat_dy[c] = lanes_total(s_ydy) / w[c];
-      }
-    });
-    if (!output_mask[0] || count == 0) {
-      return;
-    }
-    // dx = w * invstd * (dy - mean(dy) - xhat * mean(xhat * dy)), expanded so that
-    // each element costs two multiply-adds and no division.
-    scalar_t* dxp = grad_input.data_ptr<scalar_t>();
-    at::parallel_for(0, N * C, grain_for(S), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t c = r % C;
-        const double a = w[c] * invstd[c];
-        const double k = invstd[c] * sum_xhat_dy[c] / count;
-        const auto ca = static_cast<opmath_t>(a);
-        const auto ck = static_cast<opmath_t>(-k);
-        const auto c0 = static_cast<opmath_t>(k * b[c] - a * sum_dy[c] / count);
-        const scalar_t* __restrict__ gr = dyp + r * S;
-        const scalar_t* __restrict__ yr = yp + r * S;
-        scalar_t* __restrict__ dx = dxp + r * S;
-        for (int64_t s = 0; s < S; ++s) {
-          const auto g = static_cast<opmath_t>(gr[s]);
-          const auto v = static_cast<opmath_t>(yr[s]);
-          dx[s] = static_cast<scalar_t>(ca * g + ck * v + c0);
-        }
-      }
-    });
-  });
-
-  // Parameter gradients take the weight's dtype, as aten's do (float for a
-  // bfloat16 input with float weights).
-  const at::ScalarType param_dtype = defined(weight) ? weight->scalar_type() : dy.scalar_type();
-  at::Tensor grad_weight, grad_bias;
-  if (output_mask[1]) {
-    grad_weight = double_vector(sum_xhat_dy).to(dy.options().dtype(param_dtype));
-  }
-  if (output_mask[2]) {
-    grad_bias = double_vector(sum_dy).to(dy.options().dtype(param_dtype));
-  }
+  const BatchNormSums sums = batch_norm_backward_into(
+      dy, output.contiguous(), b, inv_w, w, invstd, output_mask[0] ? &grad_input : nullptr);
+  auto [grad_weight, grad_bias] = batch_norm_param_grads(sums, dy, weight, output_mask);
   return std::make_tuple(grad_input, grad_weight, grad_bias);
+}
+
+// native_batch_norm_backward (training) from the input, without aten's CPU scratch.
+BatchNormSums batch_norm_backward_from_input_into(
+    const at::Tensor& dy, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const at::Tensor& save_mean, const at::Tensor& save_invstd, at::Tensor* grad_input,
+    const char* op) {
+  check_batch_norm_backward(dy, input, op, "input");
+  const int64_t C = input.size(1);
+  const std::vector<double> w = channel_values(weight, C, 1.0, op, "weight");
+  const std::vector<double> mean = channel_values(save_mean, C, 0.0, op, "save_mean");
+  const std::vector<double> invstd = channel_values(save_invstd, C, 0.0, op, "save_invstd");
+  return batch_norm_backward_into(dy, input.contiguous(), mean, invstd, w, invstd, grad_input);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_from_input(
+    const at::Tensor& grad_output, const at::Tensor& input,
+    const std::optional<at::Tensor>& weight, const at::Tensor& save_mean,
+    const at::Tensor& save_invstd, std::array<bool, 3> output_mask) {
+  const at::Tensor dy = grad_output.contiguous();
+  at::Tensor grad_input;
+  if (output_mask[0]) {
+    grad_input = at::empty(dy.sizes(), dy.options());
+  }
+  const BatchNormSums sums = batch_norm_backward_from_input_into(
+      dy, input, weight, save_mean, save_invstd, output_mask[0] ? &grad_input : nullptr,
+      "batch_norm_backward_from_input");
+  auto [grad_weight, grad_bias] = batch_norm_param_grads(sums, dy, weight, output_mask);
+  return std::make_tuple(grad_input, grad_weight, grad_bias);
+}
+
+// The same, with the input's gradient written over grad_output (dead after this op).
+std::tuple<at::Tensor, at::Tensor> batch_norm_backward_from_input_(
+    at::Tensor& grad_output, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const at::Tensor& save_mean, const at::Tensor& save_invstd,
+    std::array<bool, 3> output_mask) {
+  const char* op = "batch_norm_backward_from_input_";
+  TORCH_CHECK(output_mask[0], op, ": output_mask[0] must be true (the op writes the input's "
+              "gradient over grad_output)");
+  TORCH_CHECK(grad_output.is_contiguous(), op,
+              ": grad_output must be contiguous to take the input's gradient in place");
+  const BatchNormSums sums = batch_norm_backward_from_input_into(
+      grad_output, input, weight, save_mean, save_invstd, &grad_output, op);
+  return batch_norm_param_grads(sums, grad_output, weight, output_mask);
 }
 
 // Stats dtype: the input's, but float for half / bfloat16 inputs.
@@ -731,6 +808,12 @@ TORCH_LIBRARY(monet_like, m) {
       "batch_norm_backward_from_output(Tensor grad_output, Tensor output, Tensor? weight, "
       "Tensor? bias, Tensor save_invstd, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   m.def(
+      "batch_norm_backward_from_input(Tensor grad_output, Tensor input, Tensor? weight, "
+      "Tensor save_mean, Tensor save_invstd, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "batch_norm_backward_from_input_(Tensor(a!) grad_output, Tensor input, Tensor? weight, "
+      "Tensor save_mean, Tensor save_invstd, bool[3] output_mask) -> (Tensor, Tensor)");
+  m.def(
       "hardtanh_backward_from_output(Tensor grad_output, Tensor output, Scalar min_val, "
       "Scalar max_val) -> Tensor");
   m.def(
@@ -755,6 +838,8 @@ TORCH_LIBRARY_IMPL(monet_like, CPU, m) {
   m.impl("max_pool2d_compact", &monet_like::max_pool2d_compact);
   m.impl("max_pool2d_compact_backward", &monet_like::max_pool2d_compact_backward);
   m.impl("batch_norm_backward_from_output", &monet_like::batch_norm_backward_from_output);
+  m.impl("batch_norm_backward_from_input", &monet_like::batch_norm_backward_from_input);
+  m.impl("batch_norm_backward_from_input_", &monet_like::batch_norm_backward_from_input_);
   m.impl("hardtanh_backward_from_output", &monet_like::hardtanh_backward_from_output);
   m.impl("batch_norm_inplace_", &monet_like::batch_norm_inplace_);
   m.impl("conv2d_algo", &monet_like::conv2d_algo);

@@ -383,55 +383,115 @@ at::Tensor channel_param(const std::optional<at::Tensor>& t, int64_t C, at::Scal
 }
 
 // --------------------------------------------------------------------------------------------
-// 5. batch_norm_backward_from_output: training-mode BN backward from y = xhat * w + b.
+// 5. Training-mode BN backward from a value v with xhat = (v - shift[c]) * scale[c]: from
+// the output y = xhat * w + b (shift = b, scale = 1 / w) or from the input x (shift = mean,
+// scale = invstd). grad_input may be dy itself (each element is read before it is written).
 
 template <typename scalar_t, typename acc_t>
 __global__ void bn_backward_reduce_kernel(const scalar_t* __restrict__ dy,
-                                          const scalar_t* __restrict__ y,
-                                          const acc_t* __restrict__ weight,
-                                          const acc_t* __restrict__ bias, NCS d,
+                                          const scalar_t* __restrict__ v,
+                                          const acc_t* __restrict__ shift,
+                                          const acc_t* __restrict__ scale, NCS d,
                                           acc_t* __restrict__ sum_dy,
                                           acc_t* __restrict__ sum_dy_xhat) {
   const int64_t c = blockIdx.x;
-  const acc_t w = weight ? weight[c] : acc_t(1);
-  const acc_t b = bias ? bias[c] : acc_t(0);
   const int64_t m = d.N * d.S;
   acc_t s1 = 0, s2 = 0;
   for (int64_t i = threadIdx.x; i < m; i += kThreads) {
     const int64_t n = i / d.S;
     const int64_t off = (n * d.C + c) * d.S + (i - n * d.S);
     const acc_t g = static_cast<acc_t>(dy[off]);
-    const acc_t xhat = (static_cast<acc_t>(y[off]) - b) / w;
     s1 += g;
-    s2 += g * xhat;
+    s2 += g * (static_cast<acc_t>(v[off]) - shift[c]);
   }
   block_sum2(s1, s2);
   if (threadIdx.x == 0) {
     sum_dy[c] = s1;
-    sum_dy_xhat[c] = s2;
+    sum_dy_xhat[c] = s2 * scale[c];
   }
 }
 
 template <typename scalar_t, typename acc_t>
-__global__ void bn_backward_input_kernel(const scalar_t* __restrict__ dy,
-                                         const scalar_t* __restrict__ y,
+__global__ void bn_backward_input_kernel(const scalar_t* dy, const scalar_t* __restrict__ v,
+                                         const acc_t* __restrict__ shift,
+                                         const acc_t* __restrict__ scale,
                                          const acc_t* __restrict__ weight,
-                                         const acc_t* __restrict__ bias,
                                          const acc_t* __restrict__ invstd,
                                          const acc_t* __restrict__ sum_dy,
                                          const acc_t* __restrict__ sum_dy_xhat, NCS d,
-                                         scalar_t* __restrict__ grad_input) {
+                                         scalar_t* grad_input) {
   const int64_t total = d.N * d.C * d.S;
   const acc_t inv_m = acc_t(1) / static_cast<acc_t>(d.N * d.S);
   MONET_GRID_LOOP(i, total) {
     const int64_t c = (i / d.S) % d.C;
     const acc_t w = weight ? weight[c] : acc_t(1);
-    const acc_t b = bias ? bias[c] : acc_t(0);
-    const acc_t xhat = (static_cast<acc_t>(y[i]) - b) / w;
+    const acc_t xhat = (static_cast<acc_t>(v[i]) - shift[c]) * scale[c];
     const acc_t g = static_cast<acc_t>(dy[i]);
     grad_input[i] = static_cast<scalar_t>(
         w * invstd[c] * (g - sum_dy[c] * inv_m - xhat * (sum_dy_xhat[c] * inv_m)));
   }
+}
+
+// Checks shared by the BN backward ops: v (the output or the input) against grad_output.
+void check_bn_backward(const at::Tensor& grad_output, const at::Tensor& v,
+                       const at::Tensor& save_invstd, const char* op, const char* v_name) {
+  check_cuda(grad_output, op, "grad_output");
+  check_cuda(v, op, v_name);
+  check_cuda(save_invstd, op, "save_invstd");
+  check_same_device(grad_output, v, op);
+  check_same_device(grad_output, save_invstd, op);
+  TORCH_CHECK(grad_output.sizes() == v.sizes(), op, ": grad_output has shape ",
+              grad_output.sizes(), ", ", v_name, " ", v.sizes());
+  TORCH_CHECK(grad_output.scalar_type() == v.scalar_type(), op, ": grad_output and ", v_name,
+              " must have the same dtype, got ", grad_output.scalar_type(), " and ",
+              v.scalar_type());
+}
+
+// Runs both kernels (the second into grad_input when defined); returns (sum_dy, sum_dy_xhat).
+std::tuple<at::Tensor, at::Tensor> bn_backward_run(const at::Tensor& dy, const at::Tensor& v,
+                                                   const at::Tensor& shift,
+                                                   const at::Tensor& scale, const at::Tensor& w,
+                                                   const at::Tensor& invstd, NCS d,
+                                                   at::Tensor& grad_input) {
+  const at::TensorOptions acc_opts = v.options().dtype(shift.scalar_type());
+  at::Tensor sum_dy = at::zeros({d.C}, acc_opts);
+  at::Tensor sum_dy_xhat = at::zeros({d.C}, acc_opts);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (d.C > 0 && d.N * d.S > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(),
+                                    "batch_norm_backward_cuda", [&] {
+      using acc_t = at::acc_type<scalar_t, true>;
+      bn_backward_reduce_kernel<scalar_t, acc_t><<<d.C, kThreads, 0, stream>>>(
+          dy.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
+          shift.const_data_ptr<acc_t>(), scale.const_data_ptr<acc_t>(), d,
+          sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xhat.mutable_data_ptr<acc_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (grad_input.defined()) {
+        bn_backward_input_kernel<scalar_t, acc_t><<<grid_for(v.numel()), kThreads, 0, stream>>>(
+            dy.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
+            shift.const_data_ptr<acc_t>(), scale.const_data_ptr<acc_t>(),
+            w.defined() ? w.const_data_ptr<acc_t>() : nullptr, invstd.const_data_ptr<acc_t>(),
+            sum_dy.const_data_ptr<acc_t>(), sum_dy_xhat.const_data_ptr<acc_t>(), d,
+            grad_input.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    });
+  }
+  return {sum_dy, sum_dy_xhat};
+}
+
+// The parameters' gradients take the weight's dtype (the input's without one), as aten's do.
+std::tuple<at::Tensor, at::Tensor> bn_param_grads(const at::Tensor& sum_dy,
+                                                  const at::Tensor& sum_dy_xhat,
+                                                  const std::optional<at::Tensor>& weight,
+                                                  const at::Tensor& like,
+                                                  std::array<bool, 3> output_mask) {
+  const at::ScalarType param_dtype =
+      (weight.has_value() && weight->defined()) ? weight->scalar_type() : like.scalar_type();
+  at::Tensor grad_weight, grad_bias;
+  if (output_mask[1]) grad_weight = sum_dy_xhat.to(param_dtype);
+  if (output_mask[2]) grad_bias = sum_dy.to(param_dtype);
+  return {grad_weight, grad_bias};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_from_output_cuda(
@@ -439,16 +499,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_from_output_c
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& save_invstd, std::array<bool, 3> output_mask) {
   const char* op = "batch_norm_backward_from_output";
-  check_cuda(grad_output, op, "grad_output");
-  check_cuda(output, op, "output");
-  check_cuda(save_invstd, op, "save_invstd");
-  check_same_device(grad_output, output, op);
-  check_same_device(grad_output, save_invstd, op);
-  TORCH_CHECK(grad_output.sizes() == output.sizes(), op, ": grad_output has shape ",
-              grad_output.sizes(), ", output ", output.sizes());
-  TORCH_CHECK(grad_output.scalar_type() == output.scalar_type(), op,
-              ": grad_output and output must have the same dtype, got ",
-              grad_output.scalar_type(), " and ", output.scalar_type());
+  check_bn_backward(grad_output, output, save_invstd, op, "output");
   const NCS d = ncs_of(output, op);
   c10::cuda::CUDAGuard guard(output.device());
   const at::ScalarType acc = at::toAccumulateType(output.scalar_type(), /*is_cuda=*/true);
@@ -462,40 +513,63 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_from_output_c
                 ": every |weight| must be at least 1e-8: the input is recovered from the "
                 "output as (output - bias) / weight");
   }
+  const at::TensorOptions acc_opts = output.options().dtype(acc);
+  const at::Tensor shift = b.defined() ? b : at::zeros({d.C}, acc_opts);
+  // 1 / w is read only where dx or dw is asked, and then |w| >= 1e-8 (checked above).
+  const at::Tensor scale = w.defined() ? w.reciprocal() : at::zeros({d.C}, acc_opts).fill_(1);
   const at::Tensor dy = grad_output.contiguous();
   const at::Tensor y = output.contiguous();
-  const at::TensorOptions acc_opts = y.options().dtype(acc);
-  at::Tensor sum_dy = at::zeros({d.C}, acc_opts);
-  at::Tensor sum_dy_xhat = at::zeros({d.C}, acc_opts);
   at::Tensor grad_input;
   if (output_mask[0]) grad_input = at::empty(y.sizes(), y.options());
-  auto stream = at::cuda::getCurrentCUDAStream();
-  if (d.C > 0 && d.N * d.S > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(),
-                                    "batch_norm_backward_from_output_cuda", [&] {
-      using acc_t = at::acc_type<scalar_t, true>;
-      const acc_t* wp = w.defined() ? w.const_data_ptr<acc_t>() : nullptr;
-      const acc_t* bp = b.defined() ? b.const_data_ptr<acc_t>() : nullptr;
-      bn_backward_reduce_kernel<scalar_t, acc_t><<<d.C, kThreads, 0, stream>>>(
-          dy.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(), wp, bp, d,
-          sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xhat.mutable_data_ptr<acc_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (output_mask[0]) {
-        bn_backward_input_kernel<scalar_t, acc_t><<<grid_for(y.numel()), kThreads, 0, stream>>>(
-            dy.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(), wp, bp,
-            invstd.const_data_ptr<acc_t>(), sum_dy.const_data_ptr<acc_t>(),
-            sum_dy_xhat.const_data_ptr<acc_t>(), d, grad_input.mutable_data_ptr<scalar_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-    });
-  }
-  // The parameters' gradients take the weight's dtype (the input's without one), as aten's do.
-  const at::ScalarType param_dtype =
-      (weight.has_value() && weight->defined()) ? weight->scalar_type() : output.scalar_type();
-  at::Tensor grad_weight, grad_bias;
-  if (output_mask[1]) grad_weight = sum_dy_xhat.to(param_dtype);
-  if (output_mask[2]) grad_bias = sum_dy.to(param_dtype);
+  auto [sum_dy, sum_dy_xhat] = bn_backward_run(dy, y, shift, scale, w, invstd, d, grad_input);
+  auto [grad_weight, grad_bias] = bn_param_grads(sum_dy, sum_dy_xhat, weight, output, output_mask);
   return {grad_input, grad_weight, grad_bias};
+}
+
+// (sum_dy, sum_dy_xhat) of BN backward from the input, with dx into grad_input if defined.
+std::tuple<at::Tensor, at::Tensor> bn_backward_from_input_run(
+    const at::Tensor& dy, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const at::Tensor& save_mean, const at::Tensor& save_invstd, at::Tensor& grad_input,
+    const char* op) {
+  check_bn_backward(dy, input, save_invstd, op, "input");
+  check_cuda(save_mean, op, "save_mean");
+  const NCS d = ncs_of(input, op);
+  c10::cuda::CUDAGuard guard(input.device());
+  const at::ScalarType acc = at::toAccumulateType(input.scalar_type(), /*is_cuda=*/true);
+  const at::Tensor w = channel_param(weight, d.C, acc, input, op, "weight");
+  TORCH_CHECK(save_mean.numel() == d.C && save_invstd.numel() == d.C, op,
+              ": save_mean and save_invstd must have ", d.C, " elements, got ",
+              save_mean.sizes(), " and ", save_invstd.sizes());
+  const at::Tensor mean = save_mean.to(acc).contiguous();
+  const at::Tensor invstd = save_invstd.to(acc).contiguous();
+  return bn_backward_run(dy, input.contiguous(), mean, invstd, w, invstd, d, grad_input);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_from_input_cuda(
+    const at::Tensor& grad_output, const at::Tensor& input,
+    const std::optional<at::Tensor>& weight, const at::Tensor& save_mean,
+    const at::Tensor& save_invstd, std::array<bool, 3> output_mask) {
+  const at::Tensor dy = grad_output.contiguous();
+  at::Tensor grad_input;
+  if (output_mask[0]) grad_input = at::empty(dy.sizes(), dy.options());
+  auto [sum_dy, sum_dy_xhat] = bn_backward_from_input_run(
+      dy, input, weight, save_mean, save_invstd, grad_input, "batch_norm_backward_from_input");
+  auto [grad_weight, grad_bias] = bn_param_grads(sum_dy, sum_dy_xhat, weight, input, output_mask);
+  return {grad_input, grad_weight, grad_bias};
+}
+
+std::tuple<at::Tensor, at::Tensor> batch_norm_backward_from_input_inplace_cuda(
+    at::Tensor& grad_output, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const at::Tensor& save_mean, const at::Tensor& save_invstd,
+    std::array<bool, 3> output_mask) {
+  const char* op = "batch_norm_backward_from_input_";
+  TORCH_CHECK(output_mask[0], op, ": output_mask[0] must be true (the op writes the input's "
+              "gradient over grad_output)");
+  TORCH_CHECK(grad_output.is_contiguous(), op,
+              ": grad_output must be contiguous to take the input's gradient in place");
+  auto [sum_dy, sum_dy_xhat] = bn_backward_from_input_run(grad_output, input, weight, save_mean,
+                                                          save_invstd, grad_output, op);
+  return bn_param_grads(sum_dy, sum_dy_xhat, weight, input, output_mask);
 }
 
 // --------------------------------------------------------------------------------------------
@@ -1169,6 +1243,8 @@ TORCH_LIBRARY_IMPL(monet_like, CUDA, m) {
   m.impl("max_pool2d_compact", &max_pool2d_compact_cuda);
   m.impl("max_pool2d_compact_backward", &max_pool2d_compact_backward_cuda);
   m.impl("batch_norm_backward_from_output", &batch_norm_backward_from_output_cuda);
+  m.impl("batch_norm_backward_from_input", &batch_norm_backward_from_input_cuda);
+  m.impl("batch_norm_backward_from_input_", &batch_norm_backward_from_input_inplace_cuda);
   m.impl("hardtanh_backward_from_output", &hardtanh_backward_from_output_cuda);
   m.impl("batch_norm_inplace_", &batch_norm_inplace_cuda);
   m.impl("conv2d_algo", &conv2d_algo_cuda);

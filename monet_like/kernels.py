@@ -12,6 +12,8 @@ see the right shapes, dtypes and strides without running anything.
     max_pool2d_compact(x, k, s, p, d, ceil) -> (out, uint8 index kh * kW + kw)
     max_pool2d_compact_backward(...)        == max_pool2d_with_indices_backward
     batch_norm_backward_from_output(...)    native_batch_norm_backward from y, not x
+    batch_norm_backward_from_input(...)     native_batch_norm_backward without aten's CPU scratch
+    batch_norm_backward_from_input_(dy,...) the same, dx written over dy -> (dw, db)
     hardtanh_backward_from_output(dy, y, lo, hi)
     batch_norm_inplace_(x, ...)             training BatchNorm written over x
     conv2d_algo(x, w, b, s, p, d, g, algo)  convolution by a named algorithm (-1: PyTorch's)
@@ -44,6 +46,8 @@ OPS: tuple[str, ...] = (
     "max_pool2d_compact",
     "max_pool2d_compact_backward",
     "batch_norm_backward_from_output",
+    "batch_norm_backward_from_input",
+    "batch_norm_backward_from_input_",
     "hardtanh_backward_from_output",
     "batch_norm_inplace_",
     "conv2d_algo",
@@ -346,6 +350,34 @@ def _batch_norm_backward_from_output_fake(
     return grad_input, grad_weight, grad_bias
 
 
+def _batch_norm_backward_from_input_fake(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    save_mean: torch.Tensor,
+    save_invstd: torch.Tensor,
+    output_mask: list[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    return _batch_norm_backward_from_output_fake(
+        grad_output, input, weight, None, save_invstd, output_mask
+    )
+
+
+def _batch_norm_backward_from_input_inplace_fake(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    save_mean: torch.Tensor,
+    save_invstd: torch.Tensor,
+    output_mask: list[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    torch._check(bool(output_mask[0]), lambda: "output_mask[0] must be true")
+    _, grad_weight, grad_bias = _batch_norm_backward_from_output_fake(
+        grad_output, input, weight, None, save_invstd, [False, *output_mask[1:]]
+    )
+    return grad_weight, grad_bias
+
+
 def _hardtanh_backward_from_output_fake(
     grad_output: torch.Tensor, output: torch.Tensor, min_val: Any, max_val: Any
 ) -> torch.Tensor:
@@ -424,6 +456,8 @@ _FAKES = {
     "max_pool2d_compact": _max_pool2d_compact_fake,
     "max_pool2d_compact_backward": _max_pool2d_compact_backward_fake,
     "batch_norm_backward_from_output": _batch_norm_backward_from_output_fake,
+    "batch_norm_backward_from_input": _batch_norm_backward_from_input_fake,
+    "batch_norm_backward_from_input_": _batch_norm_backward_from_input_inplace_fake,
     "hardtanh_backward_from_output": _hardtanh_backward_from_output_fake,
     "batch_norm_inplace_": _batch_norm_inplace_fake,
     "conv2d_algo": _conv2d_algo_fake,

@@ -172,6 +172,18 @@ for dtype in TOL:
             want = ops.batch_norm_backward_from_output(dy, y, weight, bias, invstd, mask3)
             for a, e in zip(got, want, strict=True):
                 same(a, e, tol)
+            mean = torch.randn(3, dtype=pdtype)
+            got = ops.batch_norm_backward_from_input(
+                dy.cuda(), y.cuda(), cuda(weight), mean.cuda(), invstd.cuda(), mask3)
+            want = ops.batch_norm_backward_from_input(dy, y, weight, mean, invstd, mask3)
+            for a, e in zip(got, want, strict=True):
+                same(a, e, tol)
+            if mask3[0]:
+                dyc = dy.cuda()
+                got = ops.batch_norm_backward_from_input_(
+                    dyc, y.cuda(), cuda(weight), mean.cuda(), invstd.cuda(), mask3)
+                for a, e in zip((dyc, *got), want, strict=True):
+                    same(a, e, tol)
 
     xc = x.cuda()
     rm, rv = torch.zeros(3, dtype=pdtype), torch.ones(3, dtype=pdtype)

@@ -225,6 +225,73 @@ def test_batch_norm_backward_needs_nonzero_gamma(ops):
         )
 
 
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: "".join("1" if b else "0" for b in m))
+@pytest.mark.parametrize("shape", BN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_batch_norm_backward_from_input(ops, shape, mask, affine):
+    g = gen(sum(shape) + sum(mask) + 1)
+    x = torch.randn(shape, generator=g) * 3 + 1
+    weight = bn_params(shape[1], g)[0] if affine else None
+    _, save_mean, save_invstd = aten.native_batch_norm(x, weight, None, None, None, True, 0.1, EPS)
+    dy = torch.randn(shape, generator=g)
+    ref = aten.native_batch_norm_backward(
+        dy, x, weight, None, None, save_mean, save_invstd, True, EPS, mask
+    )
+    got = ops.batch_norm_backward_from_input(dy, x, weight, save_mean, save_invstd, mask)
+    for r, o in zip(ref, got, strict=True):
+        assert (r is None) == (o is None)
+        if r is not None:
+            assert o.shape == r.shape and o.dtype == r.dtype
+            assert rel(o, r) < 1e-5
+    if not mask[0]:
+        with pytest.raises(RuntimeError, match=r"output_mask\[0\] must be true"):
+            ops.batch_norm_backward_from_input_(dy, x, weight, save_mean, save_invstd, mask)
+        return
+    # In place: the same arithmetic, the input's gradient written over dy.
+    overwritten = dy.clone()
+    params = ops.batch_norm_backward_from_input_(
+        overwritten, x, weight, save_mean, save_invstd, mask
+    )
+    assert torch.equal(overwritten, got[0])
+    for p, o in zip(params, got[1:], strict=True):
+        assert (p is None) == (o is None)
+        assert p is None or torch.equal(p, o)
+
+
+def test_batch_norm_backward_in_place_refuses_a_strided_gradient(ops):
+    x = torch.randn(4, 3, 5, 5, generator=gen(8))
+    _, mean, invstd = aten.native_batch_norm(x, None, None, None, None, True, 0.1, EPS)
+    dy = torch.randn(4, 5, 5, 3, generator=gen(9)).permute(0, 3, 1, 2)  # not contiguous
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.batch_norm_backward_from_input_(dy, x, None, mean, invstd, [True, True, True])
+
+
+def test_batch_norm_backward_from_input_takes_no_scratch(ops):
+    """aten's CPU BatchNorm backward allocates a buffer as large as its input beside its
+    result; ours allocates its result and per-channel sums only."""
+    from monet_like.profile import _workspace_of
+
+    g = gen(12)
+    x = torch.randn(8, 16, 24, 24, generator=g)
+    weight, _ = bn_params(16, g)
+    _, mean, invstd = aten.native_batch_norm(x, weight, None, None, None, True, 0.1, EPS)
+    dy = torch.randn(x.shape, generator=g)
+    mask = [True, True, True]
+    cpu = torch.device("cpu")
+    ours = _workspace_of(
+        lambda: ops.batch_norm_backward_from_input(dy, x, weight, mean, invstd, mask), cpu
+    )
+    theirs = _workspace_of(
+        lambda: aten.native_batch_norm_backward(
+            dy, x, weight, None, None, mean, invstd, True, EPS, mask
+        ),
+        cpu,
+    )
+    activation = x.numel() * x.element_size()
+    assert ours < 0.01 * activation
+    assert ours < theirs
+
+
 INPLACE_CASES = [(s, "contiguous") for s in BN_SHAPES] + [(s, "no_params") for s in BN_SHAPES]
 INPLACE_CASES.append(((4, 3, 5, 5), "channels_last"))  # not contiguous: works on a copy
 
@@ -367,7 +434,7 @@ def opcheck_cases(ops) -> list[tuple[str, object, tuple]]:
     x = torch.randn(2, 3, 5, 5, generator=g)
     y = torch.relu(x)
     weight, bias = bn_params(3, g)
-    bn_y, _, invstd = aten.native_batch_norm(x, weight, bias, None, None, True, 0.1, EPS)
+    bn_y, bn_mean, invstd = aten.native_batch_norm(x, weight, bias, None, None, True, 0.1, EPS)
     pool_args = ([3, 3], [2, 2], [1, 1], [1, 1], True)
     out, idx = ops.max_pool2d_compact(x, *pool_args)
     cw, cb = torch.randn(4, 3, 3, 3, generator=g), torch.randn(4, generator=g)
@@ -390,6 +457,21 @@ def opcheck_cases(ops) -> list[tuple[str, object, tuple]]:
             "batch_norm_backward_from_output_masked",
             ops.batch_norm_backward_from_output,
             (torch.randn_like(x), bn_y, None, None, invstd, [True, False, True]),
+        ),
+        (
+            "batch_norm_backward_from_input",
+            ops.batch_norm_backward_from_input,
+            (torch.randn_like(x), x, weight, bn_mean, invstd, [True, True, True]),
+        ),
+        (
+            "batch_norm_backward_from_input_masked",
+            ops.batch_norm_backward_from_input,
+            (torch.randn_like(x), x, None, bn_mean, invstd, [False, True, False]),
+        ),
+        (
+            "batch_norm_backward_from_input_",
+            ops.batch_norm_backward_from_input_,
+            (torch.randn_like(x), x, weight, bn_mean, invstd, [True, False, True]),
         ),
         (
             "hardtanh_backward_from_output",
@@ -449,6 +531,23 @@ class BatchNormFromOutput(torch.autograd.Function):
         return torch.ops.monet_like.batch_norm_backward_from_output(
             dy, y, weight, bias, invstd, list(ctx.needs_input_grad)
         )
+
+
+class BatchNormFromInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        y, mean, invstd = aten.native_batch_norm(x, weight, bias, None, None, True, 0.1, EPS)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        dy = dy.clone()  # the in-place form writes the input's gradient over it
+        grad_weight, grad_bias = torch.ops.monet_like.batch_norm_backward_from_input_(
+            dy, x, weight, mean, invstd, [True, *ctx.needs_input_grad[1:]]
+        )
+        return dy, grad_weight, grad_bias
 
 
 class ReluMask(torch.autograd.Function):
@@ -513,6 +612,7 @@ def test_gradcheck_variants_as_backward_of_their_reference(ops):
     weight, bias = bn_params(3, g, torch.float64)
     bn_inputs = tuple(t.clone().requires_grad_() for t in (x, weight, bias))
     assert torch.autograd.gradcheck(BatchNormFromOutput.apply, bn_inputs)
+    assert torch.autograd.gradcheck(BatchNormFromInput.apply, bn_inputs)
 
     xr = away_from(torch.randn(3, 5, 7, generator=g, dtype=torch.float64), [0.0])
     assert torch.autograd.gradcheck(ReluMask.apply, (xr.requires_grad_(),))

@@ -117,7 +117,11 @@ def apply(graph: Graph, flags: tuple[str, ...] | str) -> Graph:
     # A site's replaced op reads values by name; a later rewrite may have replaced the
     # node that produced one (a ReLU's incoming gradient came from the max-pool backward
     # that the compact max-pool replaced): follow the renames.
-    names = {old: n.name for n in graph.fx.graph.nodes for old in n.meta.get("replaces", [])}
+    names = {
+        old: n.name
+        for n in graph.fx.graph.nodes
+        for old in (*n.meta.get("replaces", []), *n.meta.get("merged", []))
+    }
     for site in sites:
         if site["original"]:
             site["original"]["args"] = [rename(a, names) for a in site["original"]["args"]]

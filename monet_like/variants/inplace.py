@@ -10,6 +10,16 @@ is never overwritten.
 - BatchNorm (training): `batch_norm_inplace_` normalizes over its input's storage.
   Its backward must not read the input, so this follows `multiway`'s output-activated
   backward.
+- BatchNorm backward (training, from the input): `batch_norm_backward_from_input_`
+  writes the input's gradient over the incoming gradient where nothing reads that
+  again; elsewhere `batch_norm_backward_from_input` allocates it. Both are our kernel,
+  which needs no buffer as large as the input: aten's CPU kernel takes one beside its
+  result (MobileNetV2's floor at 272 was such a backward: 1.22 GiB of it).
+- ReLU and hardtanh backward: aten's out= form (`threshold_backward.grad_input`,
+  `hardtanh_backward.grad_input`) with the incoming gradient as its out, where nothing
+  reads that gradient again. Elementwise, so each element is read before it is
+  written. A hardtanh backward that reads the output (`multiway`) runs as aten's
+  hardtanh_backward of the output: the same test, since y = clamp(x).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import torch
 
 from monet_like.graph import Graph
 from monet_like.variants import Variant, register
-from monet_like.variants.sites import Uses, calls, fixed_site, getitems, replace
+from monet_like.variants.sites import Uses, calls, fixed_site, getitems, merge_into, replace
 
 aten = torch.ops.aten
 
@@ -93,11 +103,62 @@ def _batch_norm_in_place(graph: Graph, gm: torch.fx.GraphModule, sites: list[dic
             ops.batch_norm_inplace_.default,
             (x, weight, bias, mean, var, float(momentum), float(eps)),
         )
-        y = items.pop(0)
-        y.replace_all_uses_with(x)  # the normalized values now live in x's storage
-        gm.graph.erase_node(y)
+        merge_into(gm, items.pop(0), x)  # the normalized values now live in x's storage
         for index, item in items.items():  # (mean, invstd) move from 1, 2 to 0, 1
             item.args = (new, index - 1)
+        changed += 1
+    return changed
+
+
+def _batch_norm_backward_in_place(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
+    ops = torch.ops.monet_like
+    changed = 0
+    for bwd in calls(gm, aten.native_batch_norm_backward.default):
+        grad, x, weight, _running_mean, _running_var, mean, invstd, training = bwd.args[:8]
+        mask = list(bwd.args[9]) if len(bwd.args) > 9 else [True, True, True]
+        if not training or mean is None or invstd is None:
+            continue
+        items = getitems(bwd)
+        # Uses anew for each: an earlier in-place backward moved its gradient's readers.
+        if 0 in items and _overwritable(grad, items[0], Uses(graph, gm)):
+            new = replace(
+                gm,
+                bwd,
+                ops.batch_norm_backward_from_input_.default,
+                (grad, x, weight, mean, invstd, mask),
+            )
+            merge_into(gm, items.pop(0), grad)  # the input's gradient lives in grad now
+            for index, item in items.items():  # (dw, db) move from 1, 2 to 0, 1
+                item.args = (new, index - 1)
+        else:
+            new = replace(
+                gm,
+                bwd,
+                ops.batch_norm_backward_from_input.default,
+                (grad, x, weight, mean, invstd, mask),
+            )
+        sites.append(fixed_site("batch_norm_backward_in_place", new))
+        changed += 1
+    return changed
+
+
+def _gradients_in_place(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
+    in_place = {
+        aten.threshold_backward.default: aten.threshold_backward.grad_input,
+        aten.hardtanh_backward.default: aten.hardtanh_backward.grad_input,
+        torch.ops.monet_like.hardtanh_backward_from_output.default: (
+            aten.hardtanh_backward.grad_input
+        ),
+    }
+    # A site the solver may turn off names its backward node: that node stays.
+    choosable = {site["backward"] for site in sites if site["choosable"]}
+    changed = 0
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in in_place]:
+        grad = node.args[0]
+        if node.name in choosable or not _overwritable(grad, node, Uses(graph, gm)):
+            continue
+        new = replace(gm, node, in_place[node.target], node.args[:4], {"grad_input": grad})
+        sites.append(fixed_site("gradient_in_place", new))
         changed += 1
     return changed
 
@@ -134,5 +195,29 @@ register(
         extra_outputs="",
         in_place=True,
         rewrite=_batch_norm_in_place,
+    )
+)
+register(
+    Variant(
+        name="batch_norm_backward_in_place",
+        flag="inplace",
+        replaces="native_batch_norm_backward (training, from the input): dx written over dy "
+        "where dy is dead, elsewhere into a new tensor; no scratch as large as the input",
+        backward_reads="as before (the input, the saved mean and inverse std)",
+        extra_outputs="",
+        in_place=True,
+        rewrite=_batch_norm_backward_in_place,
+    )
+)
+register(
+    Variant(
+        name="gradient_in_place",
+        flag="inplace",
+        replaces="threshold_backward, hardtanh_backward (also from the output) whose incoming "
+        "gradient is dead: its out= form writing over that gradient",
+        backward_reads="as before",
+        extra_outputs="",
+        in_place=True,
+        rewrite=_gradients_in_place,
     )
 )

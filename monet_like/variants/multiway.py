@@ -8,8 +8,11 @@
   replay checks gamma before every step (see `monet_like.schedule`).
 - Hardtanh / ReLU6: `hardtanh_backward(dy, x, lo, hi)` reads the input;
   `hardtanh_backward_from_output(dy, y, lo, hi)` reads the output (the same test,
-  since y = clamp(x)). ReLU's own backward already reads its output. Where the
-  activation ran in place, input and output are one storage and nothing changes.
+  since y = clamp(x)). ReLU's own backward already reads its output. An in-place
+  ReLU6 (`hardtanh_`, MobileNetV2's) is captured as autograd runs it: a clone of its
+  input taken first, for the backward to read, a whole activation kept per layer.
+  Read from the output instead, the clone is gone (a site always taken: the aten
+  backward it replaces needs the clone).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from monet_like.variants.sites import (
     Uses,
     bwd_original,
     calls,
+    fixed_site,
     getitems,
     make_site,
     replace,
@@ -89,6 +93,33 @@ def _hardtanh_from_output(graph: Graph, gm: torch.fx.GraphModule, sites: list[di
     return changed
 
 
+def _hardtanh_in_place_from_output(
+    graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]
+) -> int:
+    ops = torch.ops.monet_like
+    uses = Uses(graph, gm)
+    changed = 0
+    for fwd in calls(gm, aten.hardtanh_.default):
+        if uses.written_later(fwd, fwd):
+            continue  # the output is overwritten before the backward pass
+        clones = [
+            c
+            for c in calls(gm, aten.clone.default)
+            if source(c.args[0]) is source(fwd.args[0]) and c in fwd.args[0].users
+        ]
+        for clone in clones:
+            readers = [u for u in clone.users if u.target == aten.hardtanh_backward.default]
+            if len(readers) != len(clone.users):
+                continue  # the clone is read elsewhere too: it stays
+            for bwd in readers:
+                grad, _x, low, high = bwd.args[:4]
+                replace(gm, bwd, ops.hardtanh_backward_from_output.default, (grad, fwd, low, high))
+            gm.graph.erase_node(clone)
+            sites.append(fixed_site("hardtanh_in_place_from_output", fwd))
+            changed += 1
+    return changed
+
+
 register(
     Variant(
         name="batch_norm_from_output",
@@ -109,5 +140,16 @@ register(
         extra_outputs="",
         in_place=False,
         rewrite=_hardtanh_from_output,
+    )
+)
+register(
+    Variant(
+        name="hardtanh_in_place_from_output",
+        flag="multiway",
+        replaces="hardtanh_ (in-place ReLU6) whose backward reads a clone of its input",
+        backward_reads="the output y (the clone is no longer taken)",
+        extra_outputs="",
+        in_place=False,
+        rewrite=_hardtanh_in_place_from_output,
     )
 )

@@ -35,7 +35,11 @@ def _relu_mask(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int
     ops = torch.ops.monet_like
     uses = Uses(graph, gm)
     changed = 0
-    for bwd in calls(gm, aten.threshold_backward.default):
+    # Also the out= form `inplace` writes over the incoming gradient (its pass runs
+    # first): the mask's backward takes its place, out of place.
+    for bwd in calls(gm, aten.threshold_backward.default) + calls(
+        gm, aten.threshold_backward.grad_input
+    ):
         grad, y, threshold = bwd.args[:3]
         if threshold != 0 or not isinstance(y, torch.fx.Node):
             continue
@@ -49,6 +53,8 @@ def _relu_mask(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int
         ):
             continue
         site, original = bwd.name, bwd_original(bwd, {1: producer})
+        original["target"] = str(aten.threshold_backward.default)  # not the out= form
+        sites[:] = [s for s in sites if s["id"] != bwd.name]  # no longer in place
         mask = insert_after(gm, producer, ops.relu_mask.default, (producer,), like=producer)
         new = replace(gm, bwd, ops.relu_backward_mask.default, (grad, mask))
         sites.append(make_site(site, "relu_mask", producer, [mask], new, original))

@@ -140,6 +140,16 @@ def replace(
     return new
 
 
+def merge_into(gm: torch.fx.GraphModule, old: torch.fx.Node, new: torch.fx.Node) -> None:
+    """`old`'s value now lives in `new` (an op wrote it there in place): hand `old`'s
+    users to `new`, erase `old`, and record the rename for the sites' originals. Kept
+    apart from "replaces", whose first name is the captured op a node runs in place of
+    (`profile._same_work`): `new` still runs its own op."""
+    old.replace_all_uses_with(new)
+    new.meta["merged"] = [*new.meta.get("merged", []), old.name]  # see apply()
+    gm.graph.erase_node(old)
+
+
 def _is_view(node: torch.fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return (
