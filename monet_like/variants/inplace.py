@@ -47,6 +47,17 @@ def _overwritable(value, node, uses: Uses) -> bool:
     )
 
 
+def _first_output_into(
+    gm: torch.fx.GraphModule, new: torch.fx.Node, items: dict, into: torch.fx.Node
+) -> None:
+    """`new` (an in-place op that replaced a multi-output one) wrote the replaced op's
+    first output over `into` and returns only the others: the first's readers read
+    `into`, and the others' getitems move down by one (1, 2 to 0, 1)."""
+    merge_into(gm, items.pop(0), into)
+    for index, item in items.items():
+        item.args = (new, index - 1)
+
+
 def _activations_in_place(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
     uses = Uses(graph, gm)
     changed = 0
@@ -103,9 +114,7 @@ def _batch_norm_in_place(graph: Graph, gm: torch.fx.GraphModule, sites: list[dic
             ops.batch_norm_inplace_.default,
             (x, weight, bias, mean, var, float(momentum), float(eps)),
         )
-        merge_into(gm, items.pop(0), x)  # the normalized values now live in x's storage
-        for index, item in items.items():  # (mean, invstd) move from 1, 2 to 0, 1
-            item.args = (new, index - 1)
+        _first_output_into(gm, new, items, x)  # the normalized values live in x now
         changed += 1
     return changed
 
@@ -120,23 +129,11 @@ def _batch_norm_backward_in_place(graph: Graph, gm: torch.fx.GraphModule, sites:
             continue
         items = getitems(bwd)
         # Uses anew for each: an earlier in-place backward moved its gradient's readers.
-        if 0 in items and _overwritable(grad, items[0], Uses(graph, gm)):
-            new = replace(
-                gm,
-                bwd,
-                ops.batch_norm_backward_from_input_.default,
-                (grad, x, weight, mean, invstd, mask),
-            )
-            merge_into(gm, items.pop(0), grad)  # the input's gradient lives in grad now
-            for index, item in items.items():  # (dw, db) move from 1, 2 to 0, 1
-                item.args = (new, index - 1)
-        else:
-            new = replace(
-                gm,
-                bwd,
-                ops.batch_norm_backward_from_input.default,
-                (grad, x, weight, mean, invstd, mask),
-            )
+        in_place = 0 in items and _overwritable(grad, items[0], Uses(graph, gm))
+        op = ops.batch_norm_backward_from_input_ if in_place else ops.batch_norm_backward_from_input
+        new = replace(gm, bwd, op.default, (grad, x, weight, mean, invstd, mask))
+        if in_place:
+            _first_output_into(gm, new, items, grad)  # the input's gradient lives in grad now
         sites.append(fixed_site("batch_norm_backward_in_place", new))
         changed += 1
     return changed
@@ -152,10 +149,14 @@ def _gradients_in_place(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict
     }
     # A site the solver may turn off names its backward node: that node stays.
     choosable = {site["backward"] for site in sites if site["choosable"]}
+    # One Uses for the pass: a replacement reads and writes the storages its aten op
+    # read, so no other gradient's uses move, and a gradient an earlier replacement
+    # returned holds no fake value until the graph is refreshed: never overwritten here.
+    uses = Uses(graph, gm)
     changed = 0
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in in_place]:
         grad = node.args[0]
-        if node.name in choosable or not _overwritable(grad, node, Uses(graph, gm)):
+        if node.name in choosable or not _overwritable(grad, node, uses):
             continue
         new = replace(gm, node, in_place[node.target], node.args[:4], {"grad_input": grad})
         sites.append(fixed_site("gradient_in_place", new))

@@ -102,11 +102,7 @@ def _hardtanh_in_place_from_output(
     for fwd in calls(gm, aten.hardtanh_.default):
         if uses.written_later(fwd, fwd):
             continue  # the output is overwritten before the backward pass
-        clones = [
-            c
-            for c in calls(gm, aten.clone.default)
-            if source(c.args[0]) is source(fwd.args[0]) and c in fwd.args[0].users
-        ]
+        clones = [c for c in fwd.args[0].users if c.target == aten.clone.default]
         for clone in clones:
             readers = [u for u in clone.users if u.target == aten.hardtanh_backward.default]
             if len(readers) != len(clone.users):
