@@ -228,6 +228,28 @@ def test_backward_in_place_lowers_the_smallest_budget(tmp_path, monkeypatch):
     _replays_within_tolerance(model, graph, sol, path, shape, batch, low)
 
 
+def test_a_channels_last_gradient_is_not_overwritten_by_the_batch_norm_backward():
+    """Our BatchNorm backward writes the input's gradient over an (N, C, spatial)
+    contiguous incoming gradient only: in a channels-last model the gradient that
+    reaches the second BatchNorm is channels-last, and its backward allocates its result
+    (the graph runs: the in-place kernel would refuse it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 8 * 8, 4),
+    ).to(memory_format=torch.channels_last)
+    graph = apply(capture(model, (3, 8, 8), 2), "inplace_normal")
+    kinds = targets(graph)
+    assert kinds["monet_like.batch_norm_backward_from_input_"] == 1
+    assert kinds["monet_like.batch_norm_backward_from_input"] == 1
+    prof = profile(model, graph, repeats=1, use_cache=False, progress=False)
+    assert prof.step_time_s > 0
+
+
 def test_variants_lower_the_store_all_peak():
     """Compact intermediates shrink the store-all peak of a max-pooling network (VGG's
     five pools keep bytes instead of int64 indices)."""

@@ -129,7 +129,12 @@ def _batch_norm_backward_in_place(graph: Graph, gm: torch.fx.GraphModule, sites:
             continue
         items = getitems(bwd)
         # Uses anew for each: an earlier in-place backward moved its gradient's readers.
-        in_place = 0 in items and _overwritable(grad, items[0], Uses(graph, gm))
+        # The kernel walks (N, C, spatial) rows: a channels-last gradient stays apart.
+        in_place = (
+            0 in items
+            and _overwritable(grad, items[0], Uses(graph, gm))
+            and grad.meta["val"].is_contiguous()
+        )
         op = ops.batch_norm_backward_from_input_ if in_place else ops.batch_norm_backward_from_input
         new = replace(gm, bwd, op.default, (grad, x, weight, mean, invstd, mask))
         if in_place:
