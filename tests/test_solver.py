@@ -24,6 +24,7 @@ from monet_like.solver.milp import (
     MS,
     RawResult,
     _cbc_bound_before_restart,
+    _cbc_matrix,
     _CbcLogWatch,
     _pulp_bound,
     _rhs_for,
@@ -486,6 +487,40 @@ def test_a_shuffled_copy_solves_to_the_same_schedules(resnet18_problem):
     assert float(f.cost @ x) * MS == pytest.approx(shuffled.objective)
     assert shuffled.objective == pytest.approx(alone.objective, rel=2e-3)
     assert evaluate(f, x)["peak_bytes"] <= budget
+
+
+@pytest.mark.parametrize("depth", [DEFAULT_DEPTH, None])
+def test_cbc_rows_without_the_running_sums_are_the_rows_as_built(resnet18_problem, depth):
+    """CBC gets the rows with the running sums substituted out (all continuous columns
+    in the compact formulation, all but the frees in the full one). For any binaries
+    and frees, with the sums that their own equality rows give, every other row's left
+    side less its right side is the same in both; and the schedules that fit are the
+    same."""
+    from scipy.sparse.linalg import spsolve
+
+    _, _, problem, low = resnet18_problem
+    f = formulate(problem, depth)
+    budget = int(low + 0.3 * (problem.store_all_peak_bytes - low))
+    rhs = _rhs_for(f, budget)
+    a, b, is_eq, n_cont = _cbc_matrix(f, rhs, minimize_budget=False)
+    assert n_cont == len(f.free_columns) and a.shape[1] == f.n_bool + n_cont
+    sums = np.setdiff1d(np.arange(f.n_cont), f.free_columns)
+    a_c = f.a_cont.tocsc()
+    defining = f.is_eq & (f.a_cont.getnnz(axis=1) > 0)
+    assert a.shape[0] == f.n_rows - defining.sum()
+    best = solve_formulation(f, budget, "HIGHS", 120, workers=1).x_bool
+    rng = np.random.default_rng(0)
+    for trial in range(6):
+        x = best if trial == 0 else rng.integers(0, 2, f.n_bool)
+        frees = rng.random(len(f.free_columns))
+        known = f.a_bool @ x + a_c[:, f.free_columns] @ frees
+        y = np.zeros(f.n_cont)
+        y[f.free_columns] = frees
+        y[sums] = spsolve(a_c[defining][:, sums].tocsc(), rhs[defining] - known[defining])
+        built = (f.a_bool @ x + f.a_cont @ y - rhs)[~defining]
+        reduced = a @ np.concatenate([x, frees]) - b
+        assert np.allclose(reduced, built, rtol=1e-9, atol=1e-6), trial
+    assert not np.all(reduced <= 1e-6)  # the random schedules break rows
 
 
 def test_cbc_reports_a_bound_that_holds(resnet18_problem):
