@@ -598,6 +598,14 @@ def _rhs_for(f: Formulation, budget_bytes: float | None) -> np.ndarray:
     return rhs
 
 
+def _budget_column(f: Formulation) -> np.ndarray:
+    """The budget's column when it is minimized (a variable on the left of the budget
+    rows, see `_rhs_for`): -1 on those rows."""
+    column = np.zeros(f.n_rows)
+    column[f.budget_rows] = -1.0
+    return column
+
+
 def solve_formulation(
     f: Formulation,
     budget_bytes: int | None,
@@ -693,9 +701,7 @@ def _highs_model(f: Formulation, rhs: np.ndarray, minimize_budget: bool, fixed=N
     a = sp.hstack([f.a_bool, f.a_cont], format="csc")
     cost = np.concatenate([f.cost, np.zeros(n_c)])
     if minimize_budget:
-        on_budget = np.zeros(f.n_rows)
-        on_budget[f.budget_rows] = -1.0
-        a = sp.hstack([a, sp.csc_matrix(on_budget[:, None])], format="csc")
+        a = sp.hstack([a, sp.csc_matrix(_budget_column(f)[:, None])], format="csc")
         cost = np.concatenate([1e-6 * cost, [1.0]])  # smallest memory, then least recompute
     inf = highspy.kHighsInf
     low_b, high_b = _binary_bounds(n_b, fixed, pins)
@@ -888,13 +894,12 @@ def eliminate_sums(
     each column of `s` is defined by an equality row of its own (a square, nonsingular
     system), as the running sums y, z, b, q (and the full formulation's freed bytes) are.
 
-    Why: CBC's cuts work on rows over the binaries. With the running sums in place its
-    root bound on ResNet-50 (184) in the full mode at 6 GB rose from the relaxation's
-    2.613 s to 3.02 s (optimum 3.401 s); with them substituted, to 3.27 s, and at 7 GB
-    CBC proved the optimum in 486 s where with the sums it stood at a 37% gap after
-    600 s. HiGHS does better with the sums (its root bound fell from 3.35 to 3.27 s
-    without them), so only CBC gets this model. The rows grow denser: 137k nonzeros
-    become about 930k."""
+    Why: CBC's cuts work on rows over the binaries. On ResNet-50 (184) in the full mode
+    its root bound at 6 GB rose from 3.071 to 3.267 s (optimum 3.401 s), and at 7 GB it
+    found the optimum where with the sums it stood at a 37% gap after 600 s
+    (docs/formulation.md). HiGHS does better with the sums (its root bound fell from
+    3.35 to 3.27 s without them), so only CBC gets this model. The rows grow denser:
+    137k nonzeros become about 930k."""
     from scipy.sparse.linalg import splu
 
     a_kept, a_sums = sp.csr_matrix(a_kept), sp.csr_matrix(a_sums)
@@ -930,9 +935,7 @@ def _cbc_matrix(f, rhs, minimize_budget):
     a_c = f.a_cont.tocsc()
     kept = [f.a_bool, a_c[:, f.free_columns]]
     if minimize_budget:
-        on_budget = np.zeros((f.n_rows, 1))
-        on_budget[f.budget_rows] = -1.0
-        kept.append(sp.csr_matrix(on_budget))
+        kept.append(sp.csr_matrix(_budget_column(f)[:, None]))
     a_kept = sp.hstack(kept).tocsr()
     reduced = eliminate_sums(a_kept, a_c[:, sums], rhs, f.is_eq)
     if reduced is None:  # as built: every continuous column stays
@@ -942,13 +945,13 @@ def _cbc_matrix(f, rhs, minimize_budget):
     return a, b, is_eq, len(f.free_columns)
 
 
-def _cbc_run(f, rhs, time_limit, gap, verbose, minimize_budget, pins, cutoff) -> _CbcRun:
-    """One CBC solve through cylp, on the rows of `_cbc_matrix`; `cutoff` (ms) adds the
+def _cbc_run(f, rows, time_limit, gap, verbose, minimize_budget, pins, cutoff) -> _CbcRun:
+    """One CBC solve through cylp, on `rows` (`_cbc_matrix`'s); `cutoff` (ms) adds the
     row cost <= cutoff."""
     from cylp.cy import CyClpSimplex
     from cylp.py.modeling.CyLPModel import CyLPArray, CyLPModel
 
-    a, rhs, is_eq, n_cont = _cbc_matrix(f, rhs, minimize_budget)
+    a, rhs, is_eq, n_cont = rows
     model = CyLPModel()
     x = model.addVariable("x", f.n_bool, isInt=True)
     variables = [(x, slice(0, f.n_bool))]
@@ -961,13 +964,13 @@ def _cbc_run(f, rhs, time_limit, gap, verbose, minimize_budget, pins, cutoff) ->
         variables.append((budget, slice(f.n_bool + n_cont, f.n_bool + n_cont + 1)))
         objective = CyLPArray([1.0]) * budget + CyLPArray(1e-6 * f.cost) * x
     a = a.tocsc()
+    blocks = [(var, a[:, cols].tocsr()) for var, cols in variables]
     for rows, sense in ((is_eq, "=="), (~is_eq, "<=")):
         if not rows.any():
             continue
         lhs = None
-        for var, cols in variables:
-            block = a[:, cols].tocsr()[rows]
-            term = block * var
+        for var, block in blocks:
+            term = block[rows] * var
             lhs = term if lhs is None else lhs + term
         model += (lhs == CyLPArray(rhs[rows])) if sense == "==" else (lhs <= CyLPArray(rhs[rows]))
     if cutoff is not None:
@@ -1074,7 +1077,8 @@ def _cbc_search(f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=No
     that did not restart finishes (a run that finds nothing below the cutoff holds no
     schedule to fix columns by, so it cannot restart) or the time runs out."""
     started = time.perf_counter()
-    run = _cbc_run(f, rhs, time_limit, gap, verbose, minimize_budget, pins, None)
+    rows = _cbc_matrix(f, rhs, minimize_budget)  # once: each re-solve below reuses them
+    run = _cbc_run(f, rows, time_limit, gap, verbose, minimize_budget, pins, None)
     if run.status == "infeasible" and not run.restarted:
         return RawResult("infeasible", None, None, None, None, 0.0, "CBC")
     best, lower = run.x, run.bound
@@ -1091,7 +1095,7 @@ def _cbc_search(f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=No
         if (proven is not None and proven <= gap) or (remaining is not None and remaining < 1):
             break
         cutoff = objective * (1 - gap)
-        run = _cbc_run(f, rhs, remaining, gap, verbose, False, pins, cutoff)
+        run = _cbc_run(f, rows, remaining, gap, verbose, False, pins, cutoff)
         if run.x is not None:
             best = run.x
         # The optimum is above the cutoff, or within the cut problem and so above its bound.
@@ -1135,9 +1139,7 @@ def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, minimize_budget=False
     objective = f.cost @ x
     if minimize_budget:
         budget = cp.Variable()
-        on_budget = np.zeros(f.n_rows)
-        on_budget[f.budget_rows] = 1.0
-        lhs = lhs - cp.multiply(on_budget, budget)
+        lhs = lhs + cp.multiply(_budget_column(f), budget)
         objective = budget + 1e-6 * objective  # smallest memory, then least recomputation
     cons = []
     if eq.any():
