@@ -41,12 +41,15 @@ from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocation_peak, record_allocations, store_all_peak
 
-PROFILE_FORMAT = 11  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
+PROFILE_FORMAT = 12  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
 # 7: CPU workspace measured at the solved batch when it fits in memory; 8: where it does not,
 # large ops measured alone there, and PyTorch's convolution algorithm takes the step's figure;
 # 9: per-op times kept (op_times_s), so two graphs' profiles can share their common ops' times;
 # 10: on CPU, PyTorch's convolution algorithm over 2 and 8 batch chunks among the options;
 # 11: their workspace, where fitted from batches below the chunk count, from PyTorch's own
+# algorithm's fitted workspace at the chunk's batch plus one chunk's result;
+# 12: a large op is measured alone where it takes up to 80% of the memory free then (was half
+# of what was free before the first), and the ops left as fitted are named in workspace_method.
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,9 @@ def _available_memory_bytes() -> int | None:
 # takes two activations of scratch at each batch measured from 8 to 160 and a twentieth of
 # one at 176.
 OP_REMEASURE_BYTES = 64 * 2**20
+# The share of the free memory an op measured alone may take (inputs, outputs, fitted
+# workspace); the fitted workspace is the larger figure where the two differ.
+REMEASURE_MEMORY_SHARE = 0.8
 
 
 def _node_inputs(node) -> list:
@@ -304,24 +310,24 @@ def _workspace_alone(node, device: torch.device, gen: torch.Generator) -> int:
 
 def _remeasure_alone(
     graph: Graph, device: torch.device, workspace: list[int], progress: bool | None = None
-) -> list[int]:
+) -> tuple[list[int], list[str]]:
     """Measure again, each alone at `graph`'s batch, the compute ops whose `workspace`
     (fitted) is at least OP_REMEASURE_BYTES; `workspace` is updated in place. An op is left
     as fitted when an input is not a floating-point tensor (indices, masks: random values
     could be invalid), when its inputs, outputs and fitted workspace would take more than
-    half the available memory, or when it fails on random inputs. Returns the indices
-    measured."""
+    REMEASURE_MEMORY_SHARE of the memory free just before it, or when it fails on random
+    inputs. Returns the indices measured, and the names of the ops left as fitted for lack
+    of memory."""
     from tqdm import tqdm
 
-    available = _available_memory_bytes()
-    if device.type != "cpu" or available is None:
-        return []
+    if device.type != "cpu" or _available_memory_bytes() is None:
+        return [], []
     nodes = {n.name: n for n in graph.fx.graph.nodes}
     gen = torch.Generator(device="cpu").manual_seed(0)
     large = [
         op for op in graph.ops if op.role == "compute" and workspace[op.index] >= OP_REMEASURE_BYTES
     ]
-    measured = []
+    measured, too_large = [], []
     desc = f"measuring large ops alone at batch {graph.batch}"
     for op in tqdm(large, desc=desc, unit="op", disable=_bar_hidden(progress)):
         node = nodes[op.name]
@@ -329,14 +335,19 @@ def _remeasure_alone(
         if not all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in inputs):
             continue
         touched = sum(graph.storages[i].nbytes for i in {*op.reads, *op.outputs})
-        if touched + workspace[op.index] > available // 2:
+        # Read per op: what other processes hold moves. Was half of what was free before the
+        # first op, which left VGG-16's (176) largest backward (10.5 GiB with its fitted
+        # scratch, on a 24 GB machine) fitted at twice its scratch in some runs.
+        free = _available_memory_bytes() or 0
+        if touched + workspace[op.index] > REMEASURE_MEMORY_SHARE * free:
+            too_large.append(op.name)
             continue
         try:
             workspace[op.index] = _workspace_alone(node, device, gen)
         except (RuntimeError, NotImplementedError):
             continue  # keep the fitted figure
         measured.append(op.index)
-    return measured
+    return measured, too_large
 
 
 def _fits_in_memory(graph: Graph, device: torch.device) -> bool:
@@ -726,8 +737,12 @@ def profile(
                 workspace = _extrapolate(workspace, profile_batch, other, other_batch, graph.batch)
                 method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
                 if graph.fx is not None:
-                    at_batch = set(_remeasure_alone(graph, device, workspace, progress))
+                    alone, too_large = _remeasure_alone(graph, device, workspace, progress)
+                    at_batch = set(alone)
                     method += f"; {len(at_batch)} large ops measured alone at batch {graph.batch}"
+                    if too_large:
+                        names = ", ".join(too_large)
+                        method += f"; left as fitted, too large for the memory free: {names}"
             if other_graph is not None:
                 # Times: a small batch is dominated by per-op overhead, which a
                 # linear scaling would multiply along with the real work.
