@@ -277,7 +277,7 @@ def _available_memory_bytes() -> int | None:
 # one at 176.
 OP_REMEASURE_BYTES = 64 * 2**20
 # The share of the free memory an op measured alone may take (inputs, outputs, fitted
-# workspace); the fitted workspace is the larger figure where the two differ.
+# workspace); the rest is the margin for a real workspace above the fitted one.
 REMEASURE_MEMORY_SHARE = 0.8
 
 
