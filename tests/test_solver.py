@@ -34,7 +34,7 @@ from monet_like.solver.milp import (
     is_feasible,
     solve_formulation,
 )
-from monet_like.solver.neighbourhood import shrink_peak
+from monet_like.solver.neighbourhood import lower_cost, shrink_peak
 from monet_like.solver.problem import AlgorithmChoice, Problem, Stage, Unit, build_problem
 from monet_like.solver.start import greedy_start, rounded_start, start_schedule
 
@@ -203,6 +203,41 @@ def test_windows_shrink_the_peak_down_to_the_smallest_budget(resnet18):
     smallest = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
     assert abs(evaluate(f, x)["peak_bytes"] - smallest) <= 1e-3 * smallest
     assert any("units" in line for line in lines)  # a window, not the whole solve, improved
+
+
+def test_windows_lower_a_starts_cost_to_the_optimum_with_cbc(resnet18):
+    # CBC through cylp takes no start: each window asks it for a schedule cheaper than
+    # the best one (a cutoff), and the windows widen until one would cover the network
+    # (the whole problem is left to the search that follows): here that reaches the
+    # optimum, within CBC's 0.1%.
+    graph, prof, problem = resnet18
+    f = formulate(problem, DEFAULT_DEPTH)
+    low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+    budget = int(low + 0.5 * (problem.store_all_peak_bytes - low))
+    # The optimum at the smallest budget fits this one, recomputing more than it need
+    # (three times as much in one run).
+    start = solve_formulation(f, low, "HIGHS", 120).x_bool
+    optimum = solve_formulation(f, budget, "HIGHS", 120, gap=1e-4).objective  # seconds
+    assert float(f.cost @ start) * MS > optimum * 1.1  # something to improve
+    lines = []
+    x = lower_cost(f, start, budget, "CBC", time.perf_counter() + 180, lines.append, width=8)
+    assert evaluate(f, x)["peak_bytes"] <= budget
+    assert float(f.cost @ x) * MS <= optimum * (1 + 1e-3) + 1e-9
+    assert any("units" in line for line in lines)  # a window, not the whole solve, improved
+
+
+def test_cbc_with_a_cutoff_returns_only_a_cheaper_schedule_or_proves_there_is_none(resnet18):
+    graph, prof, problem = resnet18
+    f = formulate(problem, DEFAULT_DEPTH)
+    low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+    budget = int(low + 0.3 * (problem.store_all_peak_bytes - low))
+    optimum = solve_formulation(f, budget, "HIGHS", 120, gap=1e-4).objective  # seconds
+    above = solve_formulation(f, budget, "CBC", 120, cutoff_ms=optimum * 1.05 / MS)
+    assert above.status == "optimal" and above.objective <= optimum * 1.05
+    assert evaluate(f, above.x_bool)["peak_bytes"] <= budget
+    below = solve_formulation(f, budget, "CBC", 120, cutoff_ms=optimum * 0.9 / MS)
+    assert below.status == "cutoff" and below.x_bool is None
+    assert below.bound == pytest.approx(optimum * 0.9)
 
 
 @pytest.mark.parametrize("status", ["feasible", "optimal", "none"])
@@ -656,6 +691,43 @@ def test_cbc_stopped_without_a_schedule_returns_the_start(
     assert sol.objective_s == pytest.approx(sol.stats["start_objective_s"])
     assert sol.stats["returned_start"]
     assert any("kept as fallback" in line for line in lines)
+
+
+@pytest.mark.parametrize("cbc_stops", [False, True])
+def test_cbc_on_a_large_problem_runs_beside_windows_improving_the_start(
+    resnet18_problem, monkeypatch, cbc_stops
+):
+    """Where two CBC searches would race (a large problem), the second core runs windows
+    improving the start instead, for the same time limit: the cheaper schedule of the
+    two comes back, with CBC's bound. Made to stop with a costly schedule (the optimum
+    at the smallest budget, which fits a larger one) and half the optimum as its bound,
+    CBC's search loses to the windows; left alone, it proves the optimum."""
+    graph, prof, problem, low = resnet18_problem
+    budget = int(low + 0.5 * (problem.store_all_peak_bytes - low))
+    f = formulate(problem, DEFAULT_DEPTH)
+    optimum = solve_formulation(f, budget, "HIGHS", 120, gap=1e-4).objective
+    costly = solve_formulation(f, low, "HIGHS", 120).x_bool
+    costly_s = float(f.cost @ costly) * MS
+    real_solve = solver_module.solve_formulation
+
+    def stopped(f_, budget_bytes, solver, time_limit, *args, **kw):
+        bound = optimum / 2  # a bound that holds
+        return RawResult("feasible", costly, costly_s, bound, 1 - bound / costly_s, 0, solver)
+
+    monkeypatch.setattr(solver_module, "race_workers", lambda f: 2)  # as on a large one
+    if cbc_stops:
+        monkeypatch.setattr(solver_module, "solve_formulation", stopped)
+    sol = solve(graph, prof, budget, solver="CBC", time_limit=60)
+    assert sol.predicted_peak_bytes <= budget
+    assert sol.objective_s <= sol.stats["start_objective_s"] + 1e-9
+    if cbc_stops:
+        assert costly_s > sol.stats["start_objective_s"]  # the windows' schedule is cheaper
+        assert sol.status == "feasible" and sol.bound_s == pytest.approx(optimum / 2)
+        assert sol.gap == pytest.approx(1 - sol.bound_s / sol.objective_s)
+    else:
+        assert real_solve is solver_module.solve_formulation
+        assert sol.status == "optimal" and sol.objective_s <= optimum * (1 + 1e-3) + 1e-9
+        assert sol.bound_s <= optimum + 1e-9
 
 
 @pytest.mark.parametrize("variants_mib, captured_mib", [(200, 150), (150, 200)])

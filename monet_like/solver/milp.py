@@ -200,6 +200,7 @@ class Formulation:
     # last reader, with a continuous column per (stage, input, reader): see _free_plans
     free_plans: list[FreePlan] | None = None
     free_columns: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
+    cache: dict = field(default_factory=dict, repr=False)  # solver inputs built once
 
     def chosen_options(self, x: np.ndarray) -> list[tuple[int, int | None]]:
         """Per algorithm choice, the forward option and the backward option (None: it
@@ -579,7 +580,9 @@ def formulate(
 
 @dataclass
 class RawResult:
-    status: str  # "optimal", "feasible" (stopped with a schedule), "infeasible", "error"
+    # "optimal", "feasible" (stopped with a schedule), "infeasible", "error", or "cutoff"
+    # (CBC given a cutoff: proved that no schedule is cheaper; no schedule, bound = cutoff)
+    status: str
     x_bool: np.ndarray | None
     objective: float | None  # recompute seconds
     bound: float | None
@@ -617,6 +620,7 @@ def solve_formulation(
     progress: Callable[[str], None] | None = None,
     pins: tuple[np.ndarray, np.ndarray] | None = None,
     workers: int | None = None,
+    cutoff_ms: float | None = None,
 ) -> RawResult:
     """Solve for the least recomputation within `budget_bytes`; with `budget_bytes=None`,
     for the smallest budget (then the least recomputation among equals).
@@ -627,6 +631,10 @@ def solve_formulation(
     `pins` = (columns, values) fixes some binary columns (HiGHS and CBC).
     `workers`: HiGHS or CBC searches raced with different seeds, or the threads of PuLP's
     CBC (default `race_workers(f)`).
+    `cutoff_ms`: CBC (through cylp, which takes no start) searches only for schedules
+    cheaper than this, the row cost <= cutoff added; finding none, it returns no
+    schedule, status "error", with the cutoff as its bound (nothing cheaper exists).
+    The other solvers ignore it (HiGHS and PuLP's CBC take `start` instead).
     """
     rhs = _rhs_for(f, budget_bytes)
     workers = race_workers(f) if workers is None else workers  # races; PuLP: threads
@@ -641,7 +649,9 @@ def solve_formulation(
             f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, pins, workers
         )
     elif solver == "CBC":
-        res = _solve_cbc(f, rhs, time_limit, gap, verbose, budget_bytes is None, pins, workers)
+        res = _solve_cbc(
+            f, rhs, time_limit, gap, verbose, budget_bytes is None, pins, workers, cutoff_ms
+        )
     else:
         res = _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, budget_bytes is None)
     res.solve_time_s = time.perf_counter() - started
@@ -945,6 +955,18 @@ def _cbc_matrix(f, rhs, minimize_budget):
     return a, b, is_eq, len(f.free_columns)
 
 
+def _cbc_rows(f, rhs, minimize_budget):
+    """`_cbc_matrix`'s rows, kept on `f` for its last right-hand sides: the window
+    searches solve one budget's problem many times with other columns pinned, and
+    substituting the sums out takes seconds on a large model (6 s on ResNet-50)."""
+    key = (rhs.tobytes(), bool(minimize_budget))
+    cached = f.cache.get("cbc_rows")
+    if cached is None or cached[0] != key:
+        cached = (key, _cbc_matrix(f, rhs, minimize_budget))
+        f.cache["cbc_rows"] = cached
+    return cached[1]
+
+
 def _cbc_run(f, rows, time_limit, gap, verbose, minimize_budget, pins, cutoff) -> _CbcRun:
     """One CBC solve through cylp, on `rows` (`_cbc_matrix`'s); `cutoff` (ms) adds the
     row cost <= cutoff."""
@@ -1013,7 +1035,7 @@ def _cbc_run(f, rows, time_limit, gap, verbose, minimize_budget, pins, cutoff) -
 
 
 def _solve_cbc(
-    f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=None, workers=1
+    f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=None, workers=1, cutoff=None
 ) -> RawResult:
     """`workers` CBC searches raced (see race.py), each on the problem with its columns
     and rows in another order: CBC through cylp takes no random seed, and the order
@@ -1021,20 +1043,23 @@ def _solve_cbc(
     gap in the given order, 0.97% in a shuffled one). The first to prove its schedule
     wins; stopped by their time limits, the best schedule and the best bound count."""
     if minimize_budget or workers <= 1:
-        return _cbc_search(f, rhs, time_limit, gap, verbose, minimize_budget, pins)
+        return _cbc_search(f, rhs, time_limit, gap, verbose, minimize_budget, pins, cutoff)
 
     def run(seed, stop):
         g, rhs_g, pins_g, order = _shuffled(f, rhs, pins, seed)
-        res = _cbc_search(g, rhs_g, time_limit, gap, verbose and seed == 0, False, pins_g)
+        res = _cbc_search(g, rhs_g, time_limit, gap, verbose and seed == 0, False, pins_g, cutoff)
         if order is not None and res.x_bool is not None:
             res.x_bool = res.x_bool[np.argsort(order)]  # back to f's column order
         return res
 
-    outcomes = race(run, workers, lambda r: r.status in ("optimal", "infeasible"), False)
+    finished = ("optimal", "infeasible", "cutoff")
+    outcomes = race(run, workers, lambda r: r.status in finished, False)
     if not outcomes:
         return RawResult("error", None, None, None, None, 0.0, "CBC", "every search died")
-    if any(r.status == "infeasible" for r in outcomes):
-        return RawResult("infeasible", None, None, None, None, 0.0, "CBC")
+    for status in ("infeasible", "cutoff"):  # proved: nothing (cheaper than the cutoff) fits
+        proof = next((r for r in outcomes if r.status == status), None)
+        if proof is not None:
+            return proof
     bounds = [r.bound for r in outcomes if r.bound is not None]
     bound = max(bounds) if bounds else None  # each search's bound holds: the best counts
     found = [r for r in outcomes if r.x_bool is not None]
@@ -1061,27 +1086,37 @@ def _shuffled(f: Formulation, rhs: np.ndarray, pins, seed: int):
     g = replace(
         f, a_bool=f.a_bool.tocsc()[:, order].tocsr()[rows], a_cont=f.a_cont.tocsr()[rows],
         cost=f.cost[order], rhs=f.rhs[rows], is_eq=f.is_eq[rows],
-        budget_rows=row_of[f.budget_rows],
+        budget_rows=row_of[f.budget_rows], columns=None, cache={},
     )  # fmt: skip
     if pins is not None:
         pins = (np.argsort(order)[pins[0]], pins[1])
     return g, rhs[rows], pins, order
 
 
-def _cbc_search(f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=None) -> RawResult:
+def _cbc_search(
+    f, rhs, time_limit, gap, verbose, minimize_budget=False, pins=None, cutoff=None
+) -> RawResult:
     """CBC through cylp directly (the library cvxpy itself calls for CBC): cvxpy's
     interface does not pass on CBC's best bound, so it could report no gap.
+
+    With `cutoff` (ms) only schedules cheaper than it are searched for; a search that
+    proves there is none returns status "cutoff", no schedule and the cutoff as bound.
 
     When CBC restarted (see _cbc_run), its claim is not taken: it solves again for a
     schedule cheaper than its own by more than the tolerance, and again, until a run
     that did not restart finishes (a run that finds nothing below the cutoff holds no
     schedule to fix columns by, so it cannot restart) or the time runs out."""
     started = time.perf_counter()
-    rows = _cbc_matrix(f, rhs, minimize_budget)  # once: each re-solve below reuses them
-    run = _cbc_run(f, rows, time_limit, gap, verbose, minimize_budget, pins, None)
+    rows = _cbc_rows(f, rhs, minimize_budget)  # each re-solve below reuses them
+    run = _cbc_run(f, rows, time_limit, gap, verbose, minimize_budget, pins, cutoff)
     if run.status == "infeasible" and not run.restarted:
+        if cutoff is not None:
+            return RawResult("cutoff", None, None, cutoff * MS, None, 0.0, "CBC",
+                             "nothing cheaper than the cutoff")  # fmt: skip
         return RawResult("infeasible", None, None, None, None, 0.0, "CBC")
     best, lower = run.x, run.bound
+    if cutoff is not None and lower is not None:
+        lower = min(lower, cutoff)  # what the cut problem's bound says of the whole one
     if best is None:  # a bound without a schedule is kept: a returned start is measured by it
         known = run.status == "stopped on time" and not minimize_budget
         return RawResult(
