@@ -632,8 +632,8 @@ def solve_formulation(
     `workers`: HiGHS or CBC searches raced with different seeds, or the threads of PuLP's
     CBC (default `race_workers(f)`).
     `cutoff_ms`: CBC (through cylp, which takes no start) searches only for schedules
-    cheaper than this, the row cost <= cutoff added; finding none, it returns no
-    schedule, status "error", with the cutoff as its bound (nothing cheaper exists).
+    cheaper than this, the row cost <= cutoff added; proving there is none, it returns
+    no schedule, status "cutoff", with the cutoff as its bound.
     The other solvers ignore it (HiGHS and PuLP's CBC take `start` instead).
     """
     rhs = _rhs_for(f, budget_bytes)
