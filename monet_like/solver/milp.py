@@ -1046,11 +1046,7 @@ def _solve_cbc(
         return _cbc_search(f, rhs, time_limit, gap, verbose, minimize_budget, pins, cutoff)
 
     def run(seed, stop):
-        g, rhs_g, pins_g, order = _shuffled(f, rhs, pins, seed)
-        res = _cbc_search(g, rhs_g, time_limit, gap, verbose and seed == 0, False, pins_g, cutoff)
-        if order is not None and res.x_bool is not None:
-            res.x_bool = res.x_bool[np.argsort(order)]  # back to f's column order
-        return res
+        return cbc_seeded(f, rhs, time_limit, gap, verbose and seed == 0, pins, cutoff, seed)
 
     finished = ("optimal", "infeasible", "cutoff")
     outcomes = race(run, workers, lambda r: r.status in finished, False)
@@ -1072,6 +1068,16 @@ def _solve_cbc(
         gap_value = gap
     return RawResult("optimal" if proved else "feasible", best.x_bool, best.objective, bound,
                      gap_value, 0.0, "CBC")  # fmt: skip
+
+
+def cbc_seeded(f, rhs, time_limit, gap, verbose, pins, cutoff, seed: int) -> RawResult:
+    """One CBC search (through cylp) on `f` with its columns and rows in the order drawn
+    from `seed` (0: as built), its schedule back in `f`'s column order."""
+    g, rhs_g, pins_g, order = _shuffled(f, rhs, pins, seed)
+    res = _cbc_search(g, rhs_g, time_limit, gap, verbose, False, pins_g, cutoff)
+    if order is not None and res.x_bool is not None:
+        res.x_bool = res.x_bool[np.argsort(order)]  # back to f's column order
+    return res
 
 
 def _shuffled(f: Formulation, rhs: np.ndarray, pins, seed: int):
