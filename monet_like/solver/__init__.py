@@ -19,6 +19,7 @@ from monet_like.errors import UserError
 from monet_like.profile import align_times, derived_profile
 from monet_like.solution import Solution
 from monet_like.solver.milp import (
+    CBC_FINISHED,
     STARTABLE,
     RawResult,
     _rhs_for,
@@ -28,6 +29,7 @@ from monet_like.solver.milp import (
     formulate,
     is_feasible,
     lean_choices,
+    merge_cbc_outcomes,
     race_workers,
     relative_gap,
     solve_formulation,
@@ -374,25 +376,8 @@ def _cbc_beside_windows(
         return RawResult("feasible", x, cost_s, bound, relative_gap(cost_s, bound), 0.0, "CBC",
                          "windows")  # fmt: skip
 
-    outcomes = race(run, 2, lambda r: r.status in ("optimal", "infeasible"), False)
-    elapsed = time.perf_counter() - started
-    if not outcomes:
-        return RawResult("error", None, None, None, None, elapsed, "CBC", "every search died")
-    for r in outcomes:
-        if r.status == "infeasible":
-            return r
-    bounds = [r.bound for r in outcomes if r.bound is not None]
-    bound = max(bounds) if bounds else None  # each search's bound holds: the best counts
-    found = [r for r in outcomes if r.x_bool is not None]
-    if not found:
-        return RawResult("error", None, None, bound, None, elapsed, "CBC", outcomes[0].message)
-    best = min(found, key=lambda r: r.objective)
-    proved = any(r.status == "optimal" for r in found)  # best is at most that one's
-    gap_value = relative_gap(best.objective, bound)
-    if proved and gap_value is None:
-        gap_value = gap
-    return RawResult("optimal" if proved else "feasible", best.x_bool, best.objective, bound,
-                     gap_value, elapsed, "CBC", best.message)  # fmt: skip
+    outcomes = race(run, 2, lambda r: r.status in CBC_FINISHED, False)
+    return merge_cbc_outcomes(outcomes, gap, time.perf_counter() - started)
 
 
 def _solve(

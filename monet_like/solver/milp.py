@@ -1048,26 +1048,36 @@ def _solve_cbc(
     def run(seed, stop):
         return cbc_seeded(f, rhs, time_limit, gap, verbose and seed == 0, pins, cutoff, seed)
 
-    finished = ("optimal", "infeasible", "cutoff")
-    outcomes = race(run, workers, lambda r: r.status in finished, False)
+    outcomes = race(run, workers, lambda r: r.status in CBC_FINISHED, False)
+    return merge_cbc_outcomes(outcomes, gap)
+
+
+CBC_FINISHED = ("optimal", "infeasible", "cutoff")  # a raced CBC search that ends the race
+
+
+def merge_cbc_outcomes(outcomes: list[RawResult], gap: float, solve_time_s: float = 0.0):
+    """One answer from raced CBC searches: a proof that nothing (cheaper than the
+    cutoff) fits, else the cheapest schedule with the highest bound (each search's
+    bound holds), "optimal" when a search finished its own."""
     if not outcomes:
-        return RawResult("error", None, None, None, None, 0.0, "CBC", "every search died")
-    for status in ("infeasible", "cutoff"):  # proved: nothing (cheaper than the cutoff) fits
+        return RawResult("error", None, None, None, None, solve_time_s, "CBC", "every search died")
+    for status in ("infeasible", "cutoff"):
         proof = next((r for r in outcomes if r.status == status), None)
         if proof is not None:
             return proof
     bounds = [r.bound for r in outcomes if r.bound is not None]
-    bound = max(bounds) if bounds else None  # each search's bound holds: the best counts
+    bound = max(bounds) if bounds else None
     found = [r for r in outcomes if r.x_bool is not None]
     if not found:
-        return RawResult("error", None, None, bound, None, 0.0, "CBC", outcomes[0].message)
+        message = outcomes[0].message
+        return RawResult("error", None, None, bound, None, solve_time_s, "CBC", message)
     best = min(found, key=lambda r: r.objective)
     proved = any(r.status == "optimal" for r in found)  # best is at most that one's
     gap_value = relative_gap(best.objective, bound)
     if proved and gap_value is None:
         gap_value = gap
     return RawResult("optimal" if proved else "feasible", best.x_bool, best.objective, bound,
-                     gap_value, 0.0, "CBC")  # fmt: skip
+                     gap_value, solve_time_s, "CBC", best.message)  # fmt: skip
 
 
 def cbc_seeded(f, rhs, time_limit, gap, verbose, pins, cutoff, seed: int) -> RawResult:
