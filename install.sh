@@ -11,6 +11,16 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
   exit 2
 fi
 
+# The CUDA build of torch takes about 5.5 GB in .venv; pip fails half-way with
+# "No space left on device" when the disk is short, so say so before starting.
+if ! .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
+  free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+  if [ "${free_kb:-0}" -lt $((7 * 1024 * 1024)) ]; then
+    echo "install.sh: $((free_kb / 1024)) MB free on this disk; torch and torchvision need about 7 GB (5.5 GB installed plus unpacking)" >&2
+    exit 3
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PY=.venv/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK=1
