@@ -41,7 +41,7 @@ from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocation_peak, record_allocations, store_all_peak
 
-PROFILE_FORMAT = 12  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
+PROFILE_FORMAT = 13  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
 # 7: CPU workspace measured at the solved batch when it fits in memory; 8: where it does not,
 # large ops measured alone there, and PyTorch's convolution algorithm takes the step's figure;
 # 9: per-op times kept (op_times_s), so two graphs' profiles can share their common ops' times;
@@ -49,7 +49,8 @@ PROFILE_FORMAT = 12  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved
 # 11: their workspace, where fitted from batches below the chunk count, from PyTorch's own
 # algorithm's fitted workspace at the chunk's batch plus one chunk's result;
 # 12: a large op is measured alone where it takes up to 80% of the memory free then (was half
-# of what was free before the first), and the ops left as fitted are named in workspace_method.
+# of what was free before the first), and the ops left as fitted are named in workspace_method;
+# 13: a convolution's backward options measured with its gradient expanded as in the graph.
 
 
 @dataclass(frozen=True)
@@ -519,7 +520,7 @@ def _site_calls(site: dict, nodes: dict, rows: int, device: torch.device, gen) -
     forward = partial(ops.conv2d_algo, x, w, b, *geometry)
     calls = {"forward": [(a, partial(forward, a)) for a in choices["forward"]]}
     if site["backward"]:
-        grad = torch.randn_like(forward(-1))
+        grad = _like_in_graph(torch.randn_like(forward(-1)), nodes[site["backward"]].args[0])
         mask = nodes[site["backward"]].args[7]
         backward = partial(ops.conv2d_backward_algo, grad, x, w, *geometry)
         for k, direction in enumerate(("data", "weight")):
@@ -532,6 +533,22 @@ def _site_calls(site: dict, nodes: dict, rows: int, device: torch.device, gen) -
         if mask[0] and mask[1]:
             calls["both"] = [(-1, partial(backward, [True, True, False], -1, -1))]
     return calls
+
+
+def _like_in_graph(value: torch.Tensor, node: torch.fx.Node) -> torch.Tensor:
+    """`value` laid out as the graph's `node` is: broadcast along the dimensions `node`
+    is expanded in (stride 0), such as the gradient of a sum reaching a network's last
+    convolution, which the im2col backward then copies whole in each of its parts (an
+    uncounted 8 KiB above the prediction in a one-thread test, where a contiguous
+    gradient had been measured)."""
+    meta = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(meta, torch.Tensor) or meta.dim() != value.dim():
+        return value
+    expanded = [d for d in range(meta.dim()) if meta.stride(d) == 0 and meta.shape[d] > 1]
+    if not expanded:
+        return value
+    index = tuple(slice(0, 1) if d in expanded else slice(None) for d in range(value.dim()))
+    return value[index].contiguous().expand(value.shape)
 
 
 def _fit_chunked(
