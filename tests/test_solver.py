@@ -11,6 +11,7 @@ import torch
 import monet_like.solver as solver_module
 from monet_like.errors import UserError
 from monet_like.graph import capture
+from monet_like.memory import last_uses
 from monet_like.models import parse_model
 from monet_like.profile import profile
 from monet_like.solution import SolutionFileError, load
@@ -332,6 +333,23 @@ SMALL_GRAPHS = [
 LONG_CHAINS = {"gpt(depth=2, dim=64)", "unet(base=8)"}
 
 
+def _outputs_freed_a_stage_early(graph, problem) -> int:
+    """Bytes of the units' outputs whose last reader runs in an earlier backward stage
+    than their unit's last reader (a max pool's output, read by the next convolution's
+    backward, against its indices, read by its own): the formulation counts them on."""
+    stage_of = {i: t for t, stage in enumerate(problem.stages) for i in stage.ops}
+    last = last_uses(graph)
+    early = 0
+    for unit in problem.units:
+        stages = [stage_of.get(last[s], -1) for s in unit.storages]
+        early += sum(
+            graph.storages[s].nbytes
+            for s, t in zip(unit.storages, stages, strict=True)
+            if t < max(stages)
+        )
+    return early
+
+
 @pytest.mark.parametrize("expression, shape, batch", SMALL_GRAPHS)
 def test_store_all_is_exact_and_compact_is_within_two_percent_of_full(expression, shape, batch):
     torch.manual_seed(0)
@@ -339,10 +357,16 @@ def test_store_all_is_exact_and_compact_is_within_two_percent_of_full(expression
     graph = capture(model, shape, batch)
     prof = profile(model, graph, repeats=1, progress=False)
     problem = build_problem(graph, prof)
-    # Without recomputation the model's bytes are exactly the store-all step's: a saved
-    # value counts until its last reader inside a stage, not to the stage's end.
+    # Without recomputation the model's bytes are the store-all step's: a saved value
+    # counts until its last reader inside a stage, not to the stage's end. Exactly, but
+    # for the outputs of a unit last read a stage before its others (docs/formulation.md).
     no_recompute = min_feasible_budget(problem, DEFAULT_DEPTH, True, "HIGHS")
-    assert no_recompute == problem.store_all_peak_bytes
+    early = _outputs_freed_a_stage_early(graph, problem)
+    assert problem.store_all_peak_bytes <= no_recompute <= problem.store_all_peak_bytes + early, (
+        no_recompute,
+        problem.store_all_peak_bytes,
+        early,
+    )
     # The compact formulation's smallest budget is feasible for the full one too, which
     # contains it. 60 s: GoogLeNet's search takes 195 s to prove 107.62 MiB, and stopped
     # at 60 s it holds 107.92 MiB, a feasible budget 0.3% higher: as good a place to start
