@@ -180,7 +180,8 @@ def test_convolution_algorithms_workspace_at_the_solved_batch(
     layer was timed there (small layers), or timed at the profile batch with workspace
     measured at the solved one, or both fitted from smaller batches (the FLOP limits
     forced down). im2col's workspace is known exactly: the whole batch's columns,
-    C*kh*kw x Ho*Wo floats per sample."""
+    C*kh*kw x Ho*Wo floats per sample; the last layer's backward also copies the
+    gradient of the sum it receives (expanded, one float for all) into a whole one."""
     from monet_like import profile as profile_module
     from monet_like.variants import apply
 
@@ -190,10 +191,11 @@ def test_convolution_algorithms_workspace_at_the_solved_batch(
     graph = apply(capture(model, (3, 16, 16), 8), "conv")
     p = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
     first, second = (p.algorithms[site] for site in sorted(p.algorithms))
-    for options, channels in ((first, 3), (second, 8)):
+    gradient_copy = 8 * 16 * 16 * 8 * 4  # the second layer's output, whole
+    for options, channels, copied in ((first, 3, 0), (second, 8, gradient_copy)):
         columns = channels * 3 * 3 * 16 * 16 * 8 * 4
         assert dict((a, ws) for a, _, ws in options["forward"])[0] == columns
-        assert dict((a, ws) for a, _, ws in options["weight"])[0] == columns
+        assert dict((a, ws) for a, _, ws in options["weight"])[0] == columns + copied
         assert all(t > 0 for rows in options.values() for _, t, _ in rows)
     assert "data" not in first and "data" in second  # the input needs no gradient
 

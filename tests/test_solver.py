@@ -43,6 +43,11 @@ MIB = 2**20
 SOLVERS = ["HIGHS", "CBC", "PULP"]
 
 
+def between(low: int, problem, fraction: float) -> int:
+    """The budget `fraction` of the way from the smallest feasible one to store-all's."""
+    return int(low + fraction * (problem.store_all_peak_bytes - low))
+
+
 def toy_problem(
     edges: dict[int, tuple[int, ...]], sizes, times, stage_needs, grad=1, grad_at_start=False
 ) -> Problem:
@@ -214,7 +219,7 @@ def test_windows_lower_a_starts_cost_to_the_optimum_with_cbc(resnet18):
     graph, prof, problem = resnet18
     f = formulate(problem, DEFAULT_DEPTH)
     low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
-    budget = int(low + 0.5 * (problem.store_all_peak_bytes - low))
+    budget = between(low, problem, 0.5)
     # The optimum at the smallest budget fits this one, recomputing more than it need
     # (three times as much in one run).
     start = solve_formulation(f, low, "HIGHS", 120).x_bool
@@ -231,7 +236,7 @@ def test_cbc_with_a_cutoff_returns_only_a_cheaper_schedule_or_proves_there_is_no
     graph, prof, problem = resnet18
     f = formulate(problem, DEFAULT_DEPTH)
     low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
-    budget = int(low + 0.3 * (problem.store_all_peak_bytes - low))
+    budget = between(low, problem, 0.3)
     optimum = solve_formulation(f, budget, "HIGHS", 120, gap=1e-4).objective  # seconds
     above = solve_formulation(f, budget, "CBC", 120, cutoff_ms=optimum * 1.05 / MS)
     assert above.status == "optimal" and above.objective <= optimum * 1.05
@@ -277,7 +282,7 @@ def test_a_stopped_min_memory_search_is_followed_by_windows(resnet18, monkeypatc
 def test_every_solution_fits_its_budget(resnet18, fraction):
     graph, prof, problem = resnet18
     low = min_feasible_budget(problem, None, False, "HIGHS")
-    budget = int(low + fraction * (problem.store_all_peak_bytes - low))
+    budget = between(low, problem, fraction)
     sol = solve(graph, prof, budget, solver="HIGHS", time_limit=60)
     assert sol.status == "optimal"
     assert sol.predicted_peak_bytes <= budget
@@ -373,7 +378,7 @@ def test_store_all_is_exact_and_compact_is_within_two_percent_of_full(expression
     # the 20% and 50% budgets from, and two to three minutes less.
     low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS", time_limit=60)
     for fraction in (0.2, 0.5):
-        budget = int(low + fraction * (problem.store_all_peak_bytes - low))
+        budget = between(low, problem, fraction)
         # 60 s: GoogLeNet's full solves take 60-110 s alone (a 5-minute test beside
         # another worker at 120 s); stopped, the full formulation's schedule is only
         # costlier, and its bound still holds.
@@ -463,7 +468,7 @@ def test_start_schedules_are_feasible_down_near_the_smallest_budget(resnet18_pro
     f = formulate(problem, DEFAULT_DEPTH)
     found = {"greedy": 0, "LP rounding": 0}
     for fraction in (0.9, 0.6, 0.3, 0.1):
-        budget = int(low + fraction * (problem.store_all_peak_bytes - low))
+        budget = between(low, problem, fraction)
         costs = []
         for name, x in (
             ("greedy", greedy_start(f, budget)),
@@ -499,7 +504,7 @@ def test_lp_rounding_goes_on_with_the_greedys_drops_when_no_rounding_fits(
 
     _, _, problem, low = resnet18_problem
     f = formulate(problem, DEFAULT_DEPTH)
-    budget = int(low + 0.9 * (problem.store_all_peak_bytes - low))
+    budget = between(low, problem, 0.9)
     assert greedy_start(f, budget) is not None
     # Every rounding keeps every unit: the store-all schedule, above the budget.
     monkeypatch.setattr(start, "ROUNDING_THRESHOLDS", (-1.0,))
@@ -512,7 +517,7 @@ def test_lp_rounding_goes_on_with_the_greedys_drops_when_no_rounding_fits(
 def test_raced_searches_agree_with_one_search_and_keep_a_bound_that_holds(resnet18_problem, solver):
     _, _, problem, low = resnet18_problem
     f = formulate(problem, DEFAULT_DEPTH)
-    budget = int(low + 0.3 * (problem.store_all_peak_bytes - low))
+    budget = between(low, problem, 0.3)
     alone = solve_formulation(f, budget, solver, 120, workers=1)
     raced = solve_formulation(f, budget, solver, 120, workers=2)
     assert alone.status == raced.status == "optimal"
@@ -534,7 +539,7 @@ def test_a_shuffled_copy_solves_to_the_same_schedules(resnet18_problem):
     pinned columns pinned."""
     _, _, problem, low = resnet18_problem
     f = formulate(problem, DEFAULT_DEPTH)
-    budget = int(low + 0.3 * (problem.store_all_peak_bytes - low))
+    budget = between(low, problem, 0.3)
     alone = solve_formulation(f, budget, "HIGHS", 120, workers=1)
     pins = (f.keep[:8], alone.x_bool[f.keep[:8]])
     g, rhs_g, pins_g, order = _shuffled(f, _rhs_for(f, budget), pins, seed=1)
@@ -559,7 +564,7 @@ def test_cbc_rows_without_the_running_sums_are_the_rows_as_built(resnet18_proble
 
     _, _, problem, low = resnet18_problem
     f = formulate(problem, depth)
-    budget = int(low + 0.3 * (problem.store_all_peak_bytes - low))
+    budget = between(low, problem, 0.3)
     rhs = _rhs_for(f, budget)
     a, b, is_eq, n_cont = _cbc_matrix(f, rhs, minimize_budget=False)
     assert n_cont == len(f.free_columns) and a.shape[1] == f.n_bool + n_cont
@@ -586,7 +591,7 @@ def test_cbc_reports_a_bound_that_holds(resnet18_problem):
     """CBC's bound is at most the optimum (HiGHS's schedule), its gap is measured against
     it, and it says "optimal" only for a schedule within 0.1% of that optimum."""
     graph, prof, problem, low = resnet18_problem
-    budget = int(low + 0.3 * (problem.store_all_peak_bytes - low))
+    budget = between(low, problem, 0.3)
     sol = solve(graph, prof, budget, solver="CBC")
     best = solve(graph, prof, budget, solver="HIGHS")
     assert sol.predicted_peak_bytes <= budget
@@ -666,7 +671,7 @@ def test_pulp_stopped_or_finished_keeps_a_bound_that_holds(resnet18_problem, tim
     the relaxation's point then, which a schedule must not be taken for)."""
     _, _, problem, low = resnet18_problem
     f = formulate(problem, DEFAULT_DEPTH)
-    budget = int(low + 0.05 * (problem.store_all_peak_bytes - low))
+    budget = between(low, problem, 0.05)
     best = solve_formulation(f, budget, "HIGHS", 120, workers=1).objective
     lines = []
     res = solve_formulation(f, budget, "PULP", time_limit, workers=2, progress=lines.append)
@@ -692,7 +697,7 @@ def test_cbc_stopped_without_a_schedule_returns_the_start(
     graph, prof, problem, low = resnet18_problem
     # 30% of the way from the smallest budget: at 10%, in one fresh-clone run, neither
     # heuristic found the start this test is about.
-    budget = int(low + 0.3 * (problem.store_all_peak_bytes - low))
+    budget = between(low, problem, 0.3)
     stopped = [milp.RawResult("error", None, None, None, None, 0.0, "CBC", "no schedule")]
     # Every CBC solve stops without a schedule, the start's re-solve included.
     monkeypatch.setattr(milp, "_solve_cbc", lambda *args, **kwargs: stopped[0])
@@ -728,7 +733,7 @@ def test_cbc_on_a_large_problem_races_a_search_and_then_windows_beside_it(
     one, and half the optimum as its bound; the second with nothing), CBC loses to the
     windows; left alone, it proves the optimum."""
     graph, prof, problem, low = resnet18_problem
-    budget = int(low + 0.5 * (problem.store_all_peak_bytes - low))
+    budget = between(low, problem, 0.5)
     f = formulate(problem, DEFAULT_DEPTH)
     optimum = solve_formulation(f, budget, "HIGHS", 120, gap=1e-4).objective
     costly = solve_formulation(f, low, "HIGHS", 120).x_bool
