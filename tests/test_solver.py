@@ -653,13 +653,20 @@ def test_cbc_log_watch_shows_each_better_schedule_with_the_bound(tmp_path):
         "Cbc0012I Integer solution of 2600.9784 found by heuristic after 9 iterations and 0 nodes"
         " (13.12 seconds)\n"
         "Cbc0004I Integer solution of 2580.4 found after 2661 iterations and 7 nodes"
-        " (23.43 seconds)"
+        " (23.43 seconds)\n"
+        "Cbc0016I Integer solution of 2570.1 found by strong branching after 2900 iterations"
+        " and 9 nodes (25.01 seconds)"
     )
-    assert watch.close().endswith("(23.43 seconds)")
+    assert watch.close().endswith("(25.01 seconds)")
     assert watch.first_s == pytest.approx(13.04)
+    # The schedule returned, if no line showed it (nor one as good), is shown at the end.
+    watch.show(2570.1, None)
+    watch.show(2561.0, None)
     assert lines == [
         "[  13.0 s] schedule with 2.601 s of recomputation; bound 2.000 s, gap 23.09%",
         "[  23.4 s] schedule with 2.580 s of recomputation; bound 2.000 s, gap 22.48%",
+        "[  25.0 s] schedule with 2.570 s of recomputation; bound 2.000 s, gap 22.17%",
+        "[   end  ] schedule with 2.561 s of recomputation; bound 2.000 s, gap 21.89%",
     ]
 
 

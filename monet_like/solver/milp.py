@@ -1227,8 +1227,10 @@ def _solve_pulp(f, rhs, time_limit, gap, verbose, start, progress, threads) -> R
         return _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start, progress, threads)
 
 
+# Cbc0004I (branch and bound), Cbc0012I (a heuristic), Cbc0016I (strong branching),
+# Cbc0024I (a subtree): each a new schedule.
 _CBC_SCHEDULE = re.compile(
-    rf"Cbc00(?:04|12)I Integer solution of {_NUMBER} found.*?\({_NUMBER} seconds\)"
+    rf"Cbc00\d\dI Integer solution of {_NUMBER} found.*?\({_NUMBER} seconds\)"
 )
 _CBC_POSSIBLE = re.compile(rf"best possible {_NUMBER}")
 
@@ -1271,13 +1273,18 @@ class _CbcLogWatch:
         objective, at = float(found.group(1)), float(found.group(2))
         if self.first_s is None:
             self.first_s = at
+        self.show(objective, at)
+
+    def show(self, objective: float, at: float | None) -> None:
+        """A progress line for a schedule costing `objective` (ms), if it is a better one."""
         if objective >= self._best - 1e-9:
             return
         self._best = objective
         if self.progress is not None:
             gap = relative_gap(objective, self._bound)
             self.progress(
-                f"[{at:6.1f} s] schedule with {objective * MS:.3f} s of recomputation"
+                ("[   end  ]" if at is None else f"[{at:6.1f} s]")
+                + f" schedule with {objective * MS:.3f} s of recomputation"
                 + ("" if gap is None else f"; bound {self._bound * MS:.3f} s, gap {gap:.2%}")
             )
 
@@ -1365,6 +1372,9 @@ def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start, progress, threads
     res = _finish(f, x_val, "optimal" if proved else "feasible", bound, gap_value, gap, "PULP",
                   False)  # fmt: skip
     res.first_feasible_s = watch.first_s
+    # A schedule CBC found without a line this watch knows (or wrapped over two) is
+    # still shown: the one returned.
+    watch.show(objective_ms, None)
     return res
 
 
