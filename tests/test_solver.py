@@ -196,6 +196,14 @@ def resnet18():
     return graph, prof, build_problem(graph, prof)
 
 
+@pytest.fixture(scope="module")
+def resnet18_full_low(resnet18):
+    """The full formulation's smallest budget, searched once for the tests that start
+    from it (the four tests that each searched it took 183 to 209 s apiece in one CI
+    check's run, under 30 s in another: the search's time depends on the profile)."""
+    return min_feasible_budget(resnet18[2], None, False, "HIGHS")
+
+
 def test_windows_shrink_the_peak_down_to_the_smallest_budget(resnet18):
     # From the store-all schedule, windows of 8 units re-solved in turn lower the peak,
     # widening until one covers the network: the MILP's own smallest budget at the end,
@@ -279,10 +287,9 @@ def test_a_stopped_min_memory_search_is_followed_by_windows(resnet18, monkeypatc
 
 
 @pytest.mark.parametrize("fraction", [0.9, 0.6, 0.3])
-def test_every_solution_fits_its_budget(resnet18, fraction):
+def test_every_solution_fits_its_budget(resnet18, resnet18_full_low, fraction):
     graph, prof, problem = resnet18
-    low = min_feasible_budget(problem, None, False, "HIGHS")
-    budget = between(low, problem, fraction)
+    budget = between(resnet18_full_low, problem, fraction)
     sol = solve(graph, prof, budget, solver="HIGHS", time_limit=60)
     assert sol.status == "optimal"
     assert sol.predicted_peak_bytes <= budget
@@ -312,9 +319,9 @@ def test_infeasible_budgets_report_the_smallest_feasible_one(resnet18):
     assert sol.predicted_peak_bytes <= smallest
 
 
-def test_ablation_forbids_recomputation(resnet18):
+def test_ablation_forbids_recomputation(resnet18, resnet18_full_low):
     graph, prof, problem = resnet18
-    with_recompute = min_feasible_budget(problem, None, False, "HIGHS")
+    with_recompute = resnet18_full_low
     without = min_feasible_budget(problem, None, True, "HIGHS")
     assert without > with_recompute
     sol = solve(graph, prof, without, solver="HIGHS", ablation=True)
