@@ -5,7 +5,7 @@ problem: tests/test_solver.py."""
 import os
 import time
 
-from monet_like.solver.race import race
+from monet_like.solver.race import available_cores, race
 
 
 def test_the_first_finished_search_wins_and_stops_the_others():
@@ -87,3 +87,20 @@ def test_racers_that_all_stop_unproved_all_answer_in_seed_order():
 
     outcomes = race(run, 2, lambda o: False, interruptible=False)
     assert outcomes == [("stopped by its time limit", 0), ("stopped by its time limit", 1)]
+
+
+def test_searches_race_only_on_the_cores_the_environment_grants(monkeypatch):
+    """pytest's workers (and a user who sets OMP_NUM_THREADS) share the cores: a second
+    search on a core another process uses only slows both."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert available_cores() == cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert available_cores() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cores + 8))
+    assert available_cores() == cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "not a number")
+    assert available_cores() == cores
