@@ -16,7 +16,8 @@ def _cores_per_worker() -> int | None:
 # Two workers each running a thread per core spin against each other: test_wrapper.py
 # took 275 s so and 193 s with a thread per worker (5.8 CPU minutes against 8.3). In
 # the environment too, so that the solve.py and schedule.py subprocesses profile and
-# replay with the threads of the test that reads their output.
+# replay with the threads of the test that reads their output. The solver reads it too:
+# on one core a worker races no second search (monet_like/solver/race.py).
 _THREADS = _cores_per_worker()
 if _THREADS is not None:
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
