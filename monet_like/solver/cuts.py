@@ -102,14 +102,14 @@ class CutSeparator:
                 present = np.array([self._present(x, s, v) for s in range(a, e + 1)])
                 for w in self.readers.get(v, ()):
                     k_w = x[f.keep[w]]
-                    for t in range(a, e):
+                    for t in range(a, e + 1):
                         if self.run_start.get((t, w), -1) < a:
                             continue
                         w_needs_v = self._present(x, t, w) - k_v - k_w
                         if w_needs_v - count[t - a] > min_violation:
                             found.append((w_needs_v - count[t - a], v, w, a, t, None))
                         base = w_needs_v - present[t - a]
-                        if base + 1.0 <= min_violation:  # P_{t',v} - sum R <= 1
+                        if t == e or base + 1.0 <= min_violation:  # P_{t',v} - sum R <= 1
                             continue
                         later = present[t - a + 1 :] - count[t - a + 1 :]
                         j = int(np.argmax(later))
