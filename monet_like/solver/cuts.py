@@ -42,7 +42,7 @@ from dataclasses import replace
 import numpy as np
 import scipy.sparse as sp
 
-from monet_like.solver.milp import Formulation, _highs_model, _rhs_for
+from monet_like.solver.milp import Formulation, solved_relaxation
 
 MIN_VIOLATION = 1e-3  # in units of "recomputations": the rows' coefficients are 0, ±1
 
@@ -168,40 +168,36 @@ def root_cuts(
 
     started = time.perf_counter()
     separator = CutSeparator(f)
-    h = _highs_model(f, _rhs_for(f, budget_bytes), False)
-    h.setOptionValue("solve_relaxation", True)
-    h.setOptionValue("time_limit", float(time_limit))
-    h.run()
+    h, solved = solved_relaxation(f, budget_bytes, time_limit)
     stats = {"cuts": 0, "lp_before_s": None, "lp_after_s": None, "rounds": 0, "seconds": 0.0}
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        stats["seconds"] = time.perf_counter() - started
-        return sp.csr_matrix((0, f.n_bool)), stats
-    stats["lp_before_s"] = stats["lp_after_s"] = h.getInfo().objective_function_value * 1e-3
-    rows: list[dict[int, float]] = []
-    for _ in range(rounds):
+    blocks = [sp.csr_matrix((0, f.n_bool))]
+    if solved:
+        stats["lp_before_s"] = stats["lp_after_s"] = h.getInfo().objective_function_value * 1e-3
+    for _ in range(rounds if solved else 0):
         if time.perf_counter() - started > time_limit:
             break
         x = np.asarray(h.getSolution().col_value[: f.n_bool])
         found = sorted(separator.separate(x), key=lambda c: -c[0])[:per_round]
         if not found:
             break
-        new = [separator.row(*c[1:]) for c in found]
-        block = _rows_matrix(new, h.getNumCol())
+        # over the binary columns only: HiGHS takes the rows by their column indices
+        block = _rows_matrix([separator.row(*c[1:]) for c in found], f.n_bool)
+        blocks.append(block)
         h.addRows(
             block.shape[0], np.full(block.shape[0], -highspy.kHighsInf),
             np.zeros(block.shape[0]), block.nnz, block.indptr[:-1].astype(np.int32),
             block.indices.astype(np.int32), block.data,
         )  # fmt: skip
-        rows.extend(new)
         stats["rounds"] += 1
         h.setOptionValue("time_limit", max(1.0, time_limit - (time.perf_counter() - started)))
         h.run()
         if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             break  # the rows found so far stand: each holds for every schedule
         stats["lp_after_s"] = h.getInfo().objective_function_value * 1e-3
-    stats["cuts"] = len(rows)
+    cuts = sp.vstack(blocks).tocsr()
+    stats["cuts"] = cuts.shape[0]
     stats["seconds"] = time.perf_counter() - started
-    return _rows_matrix(rows, f.n_bool), stats
+    return cuts, stats
 
 
 def with_cuts(f: Formulation, cuts: sp.csr_matrix) -> Formulation:

@@ -744,19 +744,24 @@ def lean_choices(f: Formulation) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(cols).astype(int), np.concatenate(values)
 
 
-def relaxation(f: Formulation, budget_bytes: float, time_limit: float = 60.0) -> np.ndarray | None:
-    """The binary columns' values in the LP relaxation at `budget_bytes` (least
-    recomputation), or None when even the relaxation is infeasible (or not solved
-    within `time_limit` seconds)."""
+def solved_relaxation(f: Formulation, budget_bytes: float, time_limit: float = 60.0):
+    """The LP relaxation at `budget_bytes` (least recomputation) as a highspy model, run
+    for at most `time_limit` seconds, and whether it reached its optimum."""
     import highspy
 
     h = _highs_model(f, _rhs_for(f, budget_bytes), False)
     h.setOptionValue("solve_relaxation", True)
     h.setOptionValue("time_limit", float(time_limit))
     h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return None
-    return np.asarray(h.getSolution().col_value[: f.n_bool])
+    return h, h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+
+
+def relaxation(f: Formulation, budget_bytes: float, time_limit: float = 60.0) -> np.ndarray | None:
+    """The binary columns' values in the LP relaxation at `budget_bytes` (least
+    recomputation), or None when even the relaxation is infeasible (or not solved
+    within `time_limit` seconds)."""
+    h, solved = solved_relaxation(f, budget_bytes, time_limit)
+    return np.asarray(h.getSolution().col_value[: f.n_bool]) if solved else None
 
 
 def is_feasible(f: Formulation, x_bool: np.ndarray, budget_bytes: int) -> bool:
