@@ -461,7 +461,14 @@ def _solve(
         cut_limit = 60.0 if time_limit is None else max(5.0, min(60.0, 0.1 * time_limit))
         cuts, cut_stats = root_cuts(f, budget_bytes, time_limit=cut_limit)
         f = with_cuts(f, cuts)
-        if progress is not None and cut_stats["lp_before_s"] is not None:
+        if progress is not None and cut_stats["lp_before_s"] is None:
+            progress("cuts: none (the LP relaxation reached no optimum to separate them on)")
+        elif progress is not None and not cut_stats["cuts"]:
+            progress(
+                f"cuts: none, the LP relaxation breaks no recompute-count row (its bound "
+                f"{cut_stats['lp_before_s']:.3f} s of recomputation; {cut_stats['seconds']:.1f} s)"
+            )
+        elif progress is not None:
             progress(
                 f"cuts: {cut_stats['cuts']} recompute-count rows lift the LP bound from "
                 f"{cut_stats['lp_before_s']:.3f} to {cut_stats['lp_after_s']:.3f} s of "
