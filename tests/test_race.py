@@ -3,9 +3,10 @@ wins and stops the others, a racer that dies costs nothing. HiGHS raced on a rea
 problem: tests/test_solver.py."""
 
 import os
+import signal
 import time
 
-from monet_like.solver.race import available_cores, race
+from monet_like.solver.race import RACE_GRACE_S, available_cores, race
 
 
 def test_the_first_finished_search_wins_and_stops_the_others():
@@ -104,3 +105,36 @@ def test_searches_race_only_on_the_cores_the_environment_grants(monkeypatch):
     assert available_cores() == cores
     monkeypatch.setenv("OMP_NUM_THREADS", "not a number")
     assert available_cores() == cores
+
+
+def test_at_the_deadline_racers_are_interrupted_and_their_answers_kept():
+    """CBC counts its limit in CPU seconds; at the race's deadline each racer still
+    running gets a SIGINT, which CBC's own handler takes as the end of its search."""
+
+    def run(seed, stop):
+        got = []
+        signal.signal(signal.SIGINT, lambda *_: got.append(1))  # as CBC's handler does
+        waited = time.perf_counter()
+        while not got and time.perf_counter() - waited < 60:
+            time.sleep(0.02)
+        return ("interrupted" if got else "ran out", seed)
+
+    started = time.perf_counter()
+    outcomes = race(run, 2, lambda o: False, interruptible=False, deadline=started + 1.0)
+    assert outcomes == [("interrupted", 0), ("interrupted", 1)]
+    assert time.perf_counter() - started < 1.0 + RACE_GRACE_S
+
+
+def test_a_racer_outside_a_solve_ignores_the_interrupt_and_a_silent_one_is_left_out():
+    def run(seed, stop):
+        if seed == 0:  # Python between two solves: SIGINT must not kill it
+            time.sleep(2.5)
+            return ("answered in the grace", seed)
+        time.sleep(60)  # never answers: left out once the grace is over
+        return ("late", seed)
+
+    started = time.perf_counter()
+    outcomes = race(run, 2, lambda o: False, interruptible=False, deadline=started + 1.0)
+    waited = time.perf_counter() - started
+    assert outcomes == [("answered in the grace", 0)]
+    assert 1.0 + RACE_GRACE_S - 0.5 < waited < 1.0 + RACE_GRACE_S + 10

@@ -2,7 +2,10 @@
 
 import itertools
 import json
+import os
+import signal
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -205,6 +208,28 @@ def test_the_compact_search_gets_the_whole_limit_before_the_full_one(monkeypatch
     compact = solved(FREED, DEFAULT_DEPTH, False, "HIGHS", 0.5)
     assert min_feasible_budget(FREED, None, False, "HIGHS", time_limit=0.5) == compact
     assert calls == [(DEFAULT_DEPTH, 0.5)]
+
+
+def test_the_time_limit_is_shared_by_the_graphs_a_mode_solves(monkeypatch):
+    """With a baseline, up to three graphs are solved: `time_limit` bounds them all, the
+    mode's graph getting all but a fifth of it per graph after it."""
+    limits = []
+
+    def timed_solve(graph, prof, budget, reference, **options):
+        limits.append(options["time_limit"])
+        time.sleep(0.3)
+        return SimpleNamespace(predicted_time_s=float(len(limits)), extra={})
+
+    graph = SimpleNamespace(variants=("inplace",))
+    three = [(what, graph, None, None) for what in ("mode", "captured", "algorithms")]
+    monkeypatch.setattr(solver_module, "_solve", timed_solve)
+    monkeypatch.setattr(solver_module, "align_times", lambda prof, *graphs: prof)
+    monkeypatch.setattr(solver_module, "candidate_graphs", lambda *args: three)
+    best = solve(graph, None, 1, mode="inplace_normal", time_limit=100.0, baseline=(graph, None))
+    assert best.predicted_time_s == 1.0
+    assert limits[0] == pytest.approx(100.0 * (1 - 2 * solver_module.OTHER_GRAPH_SHARE), abs=0.1)
+    assert limits[1] == pytest.approx((100.0 - 0.3) / 2, abs=0.2)
+    assert limits[2] == pytest.approx(100.0 - 0.6, abs=0.3)  # the last: all that is left
 
 
 @pytest.fixture(scope="module")
@@ -626,11 +651,32 @@ def test_cbc_reports_a_bound_that_holds(resnet18_problem):
     best = solve(graph, prof, budget, solver="HIGHS")
     assert sol.predicted_peak_bytes <= budget
     assert sol.bound_s is not None and sol.bound_s <= best.objective_s + 1e-9
+    # the solve time is the whole of it: cuts, start and search
+    parts = sol.stats["cut_s"] + sol.stats["start_s"] + sol.stats["search_s"]
+    assert parts <= sol.solve_time_s <= parts + 5.0
     assert sol.gap == pytest.approx((sol.objective_s - sol.bound_s) / sol.objective_s, abs=1e-9)
     if sol.status == "optimal":
         assert sol.gap <= 1e-3 and sol.objective_s * (1 - 1e-3) <= best.objective_s + 1e-9
     else:
         assert sol.gap > 1e-3
+
+
+def test_ctrl_c_reaches_python_after_a_cbc_solve_in_this_process():
+    """CBC's driver installs a SIGINT handler of its own and leaves it: without Python's
+    put back, a Ctrl-C after any CBC solve (the start's re-solve runs one here) was
+    swallowed."""
+    f = formulate(CHAIN, None)
+    got = []
+    previous = signal.signal(signal.SIGINT, lambda *_: got.append(1))
+    try:
+        assert solve_formulation(f, 9 * MIB, "CBC", time_limit=30).status == "optimal"
+        os.kill(os.getpid(), signal.SIGINT)
+        waited = time.perf_counter()
+        while not got and time.perf_counter() - waited < 5:
+            time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert got == [1]
 
 
 # CBC 2.10's log on ResNet-50 at 7 GB (184, normal), shortened: after its restart the

@@ -199,6 +199,9 @@ def _min_schedule(
     return shrink_peak(f, start, solver, deadline, progress)
 
 
+OTHER_GRAPH_SHARE = 0.2  # of the time limit, kept for each graph solved after the mode's
+
+
 def solve(
     graph,
     profile,
@@ -219,6 +222,13 @@ def solve(
 
     `progress` receives one line per event worth showing (the start found, each
     improved schedule where the solver reports them).
+
+    `time_limit` (seconds of wall time) bounds the whole solve: the MILP's set-up, the
+    cuts and the start heuristic count against it, and with `baseline` it is shared by
+    the graphs solved (the mode's gets all but `OTHER_GRAPH_SHARE` of it per graph
+    after it). Only the search for the smallest feasible budget, when the budget is
+    infeasible, has a limit of its own. CBC counts its limit in CPU seconds; its raced
+    searches are interrupted at the wall-clock deadline (race.py).
 
     `baseline`: (captured graph, its profile), the graph before the mode's variants
     were rewritten into `graph`. With it the solver chooses, site by site, whether a
@@ -261,10 +271,17 @@ def solve(
     if progress is not None and getattr(profile, "aligned", ""):
         progress(f"times: {profile.aligned}")
     attempts = candidate_graphs(graph, profile, baseline)
+    deadline = None if time_limit is None else time.perf_counter() + time_limit
     solved, infeasible = [], []
-    for what, g, p, ref in attempts:
+    for k, (what, g, p, ref) in enumerate(attempts):
         if progress is not None and solved + infeasible:
             progress(f"solving {what} too, to keep the fastest schedule")
+        if deadline is not None:
+            # The mode's graph first, with the limit less a share kept for each graph
+            # after it; each later one gets an even part of what is left.
+            left, later = deadline - time.perf_counter(), len(attempts) - k - 1
+            share = left - later * OTHER_GRAPH_SHARE * time_limit if k == 0 else left / (later + 1)
+            options["time_limit"] = max(1.0, share)
         try:
             solved.append((what, _solve(g, p, budget_bytes, reference=ref, **options)))
         except InfeasibleBudget as exc:
@@ -382,7 +399,7 @@ def _cbc_beside_windows(
         return RawResult("feasible", x, cost_s, bound, relative_gap(cost_s, bound), 0.0, "CBC",
                          "windows")  # fmt: skip
 
-    outcomes = race(run, 2, lambda r: r.status in CBC_FINISHED, False)
+    outcomes = race(run, 2, lambda r: r.status in CBC_FINISHED, False, deadline)
     return merge_cbc_outcomes(outcomes, gap, time.perf_counter() - started)
 
 
@@ -411,6 +428,7 @@ def _solve(
         raise UserError("the budget must be positive")
     depth = None if formulation == "full" else (depth or DEFAULT_DEPTH)
 
+    started = time.perf_counter()  # `time_limit` counts from here: cuts and start included
     problem = build_problem(graph, profile, reference=reference)
     base = dict(
         model=graph.model,
@@ -479,6 +497,8 @@ def _solve(
     if start is not None and not is_feasible(f, start, budget_bytes):
         start, how = None, "the heuristic's schedule broke a row"  # never hand that over
     start_s = time.perf_counter() - t0
+    searched = time.perf_counter()
+    left = None if time_limit is None else max(1.0, time_limit - (searched - started))
     start_cost = None if start is None else float(f.cost @ start)  # ms
     if progress is not None:
         if start is None:
@@ -490,12 +510,13 @@ def _solve(
                 + ("" if solver in STARTABLE else f"; {solver} takes no start, kept as fallback")
             )
     if solver == "CBC" and start is not None and race_workers(f) > 1:
-        raw = _cbc_beside_windows(f, budget_bytes, start, time_limit, gap, verbose, progress)
+        raw = _cbc_beside_windows(f, budget_bytes, start, left, gap, verbose, progress)
     else:
         raw = solve_formulation(
-            f, budget_bytes, solver, time_limit, gap, verbose,
+            f, budget_bytes, solver, left, gap, verbose,
             start if solver in STARTABLE else None, progress,
         )  # fmt: skip
+    search_s = time.perf_counter() - searched
     if raw.status == "infeasible" and start is None:
         smallest = _smallest_budget(problem, depth, ablation, solver, frees, progress)
         raise InfeasibleBudget(
@@ -527,9 +548,9 @@ def _solve(
             " or use HIGHS"
         )
     if start is not None:  # a schedule within the budget existed once the start did
-        first_feasible_s = start_s
+        first_feasible_s = searched - started
     elif raw.first_feasible_s is not None:
-        first_feasible_s = raw.first_feasible_s + start_s
+        first_feasible_s = raw.first_feasible_s + (searched - started)
     else:
         first_feasible_s = None  # the solver reports no incumbents
     off = [c.site for k, c in enumerate(problem.choices) if x[f.off_col[k]]]
@@ -553,7 +574,7 @@ def _solve(
         objective_s=raw.objective,
         bound_s=raw.bound,
         gap=raw.gap,
-        solve_time_s=raw.solve_time_s + cut_stats.get("seconds", 0.0),  # cuts included
+        solve_time_s=time.perf_counter() - started,  # the MILP's set-up, cuts and start too
         predicted_peak_bytes=peak["peak_bytes"],
         predicted_peak_at=peak["peak_at"],
         predicted_time_s=problem.store_all_time_s - problem.choice_base_s + raw.objective,
@@ -564,6 +585,9 @@ def _solve(
             "returned_start": returned_start,
             "start_objective_s": None if start is None else start_cost * 1e-3,
             "first_feasible_s": first_feasible_s,
+            "start_s": start_s,
+            "search_s": search_s,
+            "cut_s": cut_stats.get("seconds"),
             "cut_lp_before_s": cut_stats.get("lp_before_s"),
             "cut_lp_after_s": cut_stats.get("lp_after_s"),
         },

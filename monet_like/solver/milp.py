@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import tempfile
 import threading
 import time
@@ -34,6 +35,7 @@ import warnings
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -972,6 +974,31 @@ def _cbc_rows(f, rhs, minimize_budget):
     return cached[1]
 
 
+STOPPED = ("stopped on time", "stopped on user event")  # CBC's words for a search cut short
+
+
+@contextmanager
+def _cbc_sigint():
+    """Around a CBC solve: CBC's driver (cylp runs CbcMain1) installs a SIGINT handler
+    that ends the search as its time limit would, and leaves it installed, so that
+    afterwards Ctrl-C did nothing in this process. Python's handler is put back; yields
+    a test of CBC's status: True where a SIGINT ended the search and Python's handler
+    would have raised KeyboardInterrupt (the user's Ctrl-C). A raced search ignores
+    SIGINT (race.py), and there a SIGINT is the race's deadline: the search's schedule
+    and bound stand."""
+    in_main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT) if in_main else None
+
+    def by_ctrl_c(status: str) -> bool:
+        return status == "stopped on user event" and before is signal.default_int_handler
+
+    try:
+        yield by_ctrl_c
+    finally:
+        if in_main and before is not None:
+            signal.signal(signal.SIGINT, before)
+
+
 def _cbc_run(f, rows, time_limit, gap, verbose, minimize_budget, pins, cutoff) -> _CbcRun:
     """One CBC solve through cylp, on `rows` (`_cbc_matrix`'s); `cutoff` (ms) adds the
     row cost <= cutoff."""
@@ -1012,8 +1039,10 @@ def _cbc_run(f, rows, time_limit, gap, verbose, minimize_budget, pins, cutoff) -
     cbc.allowableFractionGap = float(gap)
     if time_limit:
         cbc.maximumSeconds = float(time_limit)
-    with captured(1) as log:
+    with captured(1) as log, _cbc_sigint() as stopped_by_sigint:
         cbc.solve()
+    if stopped_by_sigint(cbc.status):
+        raise KeyboardInterrupt  # the user's Ctrl-C, which CBC's handler took for itself
     if verbose:
         print(log[0], end="", flush=True)
     # After fixing columns by reduced cost, CBC 2.10 may restart its search on the smaller
@@ -1053,7 +1082,8 @@ def _solve_cbc(
     def run(seed, stop):
         return cbc_seeded(f, rhs, time_limit, gap, verbose and seed == 0, pins, cutoff, seed)
 
-    outcomes = race(run, workers, lambda r: r.status in CBC_FINISHED, False)
+    deadline = None if not time_limit else time.perf_counter() + time_limit
+    outcomes = race(run, workers, lambda r: r.status in CBC_FINISHED, False, deadline)
     return merge_cbc_outcomes(outcomes, gap)
 
 
@@ -1139,7 +1169,7 @@ def _cbc_search(
     if cutoff is not None and lower is not None:
         lower = min(lower, cutoff)  # what the cut problem's bound says of the whole one
     if best is None:  # a bound without a schedule is kept: a returned start is measured by it
-        known = run.status == "stopped on time" and not minimize_budget
+        known = run.status in STOPPED and not minimize_budget
         return RawResult(
             "error", None, None, lower * MS if known and lower is not None else None, None,
             0.0, "CBC", f"no schedule ({run.status})",

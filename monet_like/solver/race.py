@@ -9,13 +9,19 @@ answers come back and the caller keeps the best schedule and the best bound.
 Seed 0 runs in this process (its progress is the one shown); the others in forked
 processes, which share the problem without copying it. A search that cannot be
 interrupted (CBC through cylp) runs every seed in a forked process, and this one waits
-for the first to prove its answer.
+for the first to prove its answer, or until the race's deadline: CBC counts its limit
+in CPU seconds, which fall behind the clock when other work shares the cores, so at the
+deadline each racer still running gets a SIGINT, which CBC takes as the end of its
+search (its schedule and bound are kept). Racers ignore SIGINT otherwise: a Ctrl-C
+reaches this process too, which stops them.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
@@ -58,6 +64,10 @@ class _Racer:
                 self.outcome = None
         return self.outcome is not None
 
+    def interrupt(self) -> None:
+        if self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGINT)
+
     def stop(self) -> None:
         if self.process.is_alive():
             self.process.terminate()
@@ -66,6 +76,7 @@ class _Racer:
 
 
 def _race(run: Callable[[int, Any], Any], seed: int, send) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only a solve in progress stops at one
     try:
         send.send(run(seed, None))
     finally:
@@ -77,17 +88,19 @@ def race(
     workers: int,
     proved: Callable[[Any], bool],
     interruptible: bool = True,
+    deadline: float | None = None,
 ) -> list[Any]:
     """`run(seed, stop)` solves with that seed, polling `stop()` (None: never stopped)
     and returns its outcome; `proved(outcome)` says whether it finished its search
     (then the other racers are not waited for). Returns the outcomes received, this
     process's first. Not `interruptible`: every seed runs in a forked process; the
-    outcomes come back in seed order (a racer that died has none)."""
+    outcomes come back in seed order (a racer that died has none), and at `deadline`
+    (a `time.perf_counter()` value) those still running are sent SIGINT."""
     if workers <= 1 or "fork" not in mp.get_all_start_methods():
         return [run(0, None)]
     ctx = mp.get_context("fork")
     if not interruptible:
-        return _race_forked(ctx, run, workers, proved)
+        return _race_forked(ctx, run, workers, proved, deadline)
     racers = [_Racer(ctx, run, seed) for seed in range(1, workers)]
 
     def a_racer_proved() -> bool:
@@ -107,16 +120,30 @@ def race(
             r.stop()
 
 
-def _race_forked(ctx, run, workers: int, proved) -> list[Any]:
+def _race_forked(ctx, run, workers: int, proved, deadline: float | None) -> list[Any]:
     """Every seed in a forked process; this one waits until one has proved its answer
-    or all have stopped."""
+    or all have stopped: at `deadline` those still running are interrupted, and those
+    that have not answered `RACE_GRACE_S` later are left out."""
     racers = [_Racer(ctx, run, seed) for seed in range(workers)]
+    interrupted = False
     try:
         while True:
             waiting = [r for r in racers if not r.done]
             if not waiting:
                 break
-            wait([r.pipe for r in waiting])
+            timeout = None
+            if deadline is not None:
+                # once interrupted, again each second: a racer outside CBC ignores it
+                until = deadline + RACE_GRACE_S if interrupted else deadline
+                timeout = max(0.0, until - time.perf_counter())
+                timeout = min(1.0, timeout) if interrupted else timeout
+            if not wait([r.pipe for r in waiting], timeout):
+                if interrupted and time.perf_counter() >= deadline + RACE_GRACE_S:
+                    break
+                for r in waiting:
+                    r.interrupt()
+                interrupted = True
+                continue
             if any(r.finished() and proved(r.outcome) for r in waiting):
                 break
         return [r.outcome for r in racers if r.finished()]
