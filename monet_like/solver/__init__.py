@@ -45,11 +45,12 @@ from monet_like.variants import parse_mode
 
 SOLVERS = ("CBC", "HIGHS", "GUROBI", "PULP")
 DEFAULT_DEPTH = 16  # the compact formulation's recomputation depth (see docs/formulation.md)
-# Solvers given the recompute-count cuts (solver/cuts.py) before their search: CBC's bound
-# starts at its LP's, which the cuts lift (ResNet-50 at 184, normal, 5 GB, one search each,
-# side by side: the optimum proved in 149 s with 143 of them, an 18.6% gap after 300 s
-# without). HiGHS gained nothing from the same rows (68 s with them, 54.5 s without).
-CUT_SOLVERS = ("CBC", "PULP")
+# Solvers given the recompute-count cuts (solver/cuts.py) before their search: their bound
+# starts at the LP's, which the cuts lift (ResNet-50 at 184, normal, 5 GB, one search
+# each: CBC proved the optimum in 149 s with 143 of them, an 18.6% gap after 300 s
+# without; HiGHS 12.7 s with the rows as shipped, 51.3 s without). Gurobi, not measured
+# here (no licence), gets none.
+CUT_SOLVERS = ("CBC", "HIGHS", "PULP")
 
 
 class InfeasibleBudget(UserError):
