@@ -226,8 +226,8 @@ def build_solve_parser() -> argparse.ArgumentParser:
         "--time_limit",
         type=float,
         default=DEFAULT_TIME_LIMIT,
-        help=f"seconds for the MILP (default {DEFAULT_TIME_LIMIT:g}); past it, the best"
-        " schedule found is kept, with its gap",
+        help=f"wall-clock seconds for the whole solve (default {DEFAULT_TIME_LIMIT:g}); past"
+        " it, the best schedule found is kept, with its gap",
     )
     p.add_argument("--ablation", action="store_true", help="forbid recomputation")
     p.add_argument("--input_grad", action="store_true", help="also compute the input's gradient")
