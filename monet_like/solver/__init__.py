@@ -488,10 +488,12 @@ def _solve(
                 f"{cut_stats['lp_before_s']:.3f} s of recomputation; {cut_stats['seconds']:.1f} s)"
             )
         elif progress is not None:
+            before, after = cut_stats["lp_before_s"], cut_stats["lp_after_s"]
+            lift = f", +{after / before - 1:.2%}" if before > 0 else ""  # below 3 decimals too
             progress(
                 f"cuts: {cut_stats['cuts']} recompute-count rows lift the LP bound from "
-                f"{cut_stats['lp_before_s']:.3f} to {cut_stats['lp_after_s']:.3f} s of "
-                f"recomputation ({cut_stats['seconds']:.1f} s)"
+                f"{before:.3f} to {after:.3f} s of recomputation{lift} "
+                f"({cut_stats['seconds']:.1f} s)"
             )
     t0 = time.perf_counter()
     start, how = start_schedule(f, budget_bytes, solver)
