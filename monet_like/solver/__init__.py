@@ -404,6 +404,23 @@ def _cbc_beside_windows(
     return merge_cbc_outcomes(outcomes, gap, time.perf_counter() - started)
 
 
+def _cuts_line(stats: dict) -> str:
+    """The progress line for `root_cuts`'s `stats`."""
+    before, after, seconds = stats["lp_before_s"], stats["lp_after_s"], stats["seconds"]
+    if before is None:
+        return "cuts: none (the LP relaxation reached no optimum to separate them on)"
+    if not stats["cuts"]:
+        return (
+            f"cuts: none, the LP relaxation breaks no recompute-count row (its bound "
+            f"{before:.3f} s of recomputation; {seconds:.1f} s)"
+        )
+    lift = f", +{after / before - 1:.2%}" if before > 0 else ""  # below 3 decimals too
+    return (
+        f"cuts: {stats['cuts']} recompute-count rows lift the LP bound from {before:.3f} "
+        f"to {after:.3f} s of recomputation{lift} ({seconds:.1f} s)"
+    )
+
+
 def _solve(
     graph,
     profile,
@@ -480,27 +497,14 @@ def _solve(
         cut_limit = 60.0 if time_limit is None else max(5.0, min(60.0, 0.1 * time_limit))
         cuts, cut_stats = root_cuts(f, budget_bytes, time_limit=cut_limit)
         f = with_cuts(f, cuts)
-        if progress is not None and cut_stats["lp_before_s"] is None:
-            progress("cuts: none (the LP relaxation reached no optimum to separate them on)")
-        elif progress is not None and not cut_stats["cuts"]:
-            progress(
-                f"cuts: none, the LP relaxation breaks no recompute-count row (its bound "
-                f"{cut_stats['lp_before_s']:.3f} s of recomputation; {cut_stats['seconds']:.1f} s)"
-            )
-        elif progress is not None:
-            before, after = cut_stats["lp_before_s"], cut_stats["lp_after_s"]
-            lift = f", +{after / before - 1:.2%}" if before > 0 else ""  # below 3 decimals too
-            progress(
-                f"cuts: {cut_stats['cuts']} recompute-count rows lift the LP bound from "
-                f"{before:.3f} to {after:.3f} s of recomputation{lift} "
-                f"({cut_stats['seconds']:.1f} s)"
-            )
+        if progress is not None:
+            progress(_cuts_line(cut_stats))
     t0 = time.perf_counter()
     start, how = start_schedule(f, budget_bytes, solver)
     if start is not None and not is_feasible(f, start, budget_bytes):
         start, how = None, "the heuristic's schedule broke a row"  # never hand that over
-    start_s = time.perf_counter() - t0
     searched = time.perf_counter()
+    start_s = searched - t0
     left = None if time_limit is None else max(1.0, time_limit - (searched - started))
     start_cost = None if start is None else float(f.cost @ start)  # ms
     if progress is not None:
