@@ -663,8 +663,8 @@ def test_cbc_reports_a_bound_that_holds(resnet18_problem):
 
 def test_ctrl_c_reaches_python_after_a_cbc_solve_in_this_process():
     """CBC's driver installs a SIGINT handler of its own and leaves it: without Python's
-    put back, a Ctrl-C after any CBC solve (the start's re-solve runs one here) was
-    swallowed."""
+    put back, a Ctrl-C after any CBC solve in the process (solve.py's start heuristic
+    runs one) was swallowed."""
     f = formulate(CHAIN, None)
     got = []
     previous = signal.signal(signal.SIGINT, lambda *_: got.append(1))
