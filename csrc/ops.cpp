@@ -678,7 +678,9 @@ bool is_chunked(int64_t algo) {
 bool im2col_applies(const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef dilation,
                     int64_t groups) {
   const bool plain = std::all_of(dilation.begin(), dilation.end(), [](int64_t d) { return d == 1; });
-  return input.dim() == 4 && weight.dim() == 4 && groups == 1 && plain &&
+  // slow_conv2d takes contiguous (NCHW) inputs only: its backward refuses a channels-last
+  // one, and its forward would return another layout than the graph was traced with.
+  return input.dim() == 4 && weight.dim() == 4 && groups == 1 && plain && input.is_contiguous() &&
          (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble);
 }
 
@@ -688,7 +690,7 @@ void check_conv_algo(int64_t algo, bool im2col_ok, const char* op, const char* d
               " is not available on CPU for this convolution (",
               im2col_ok ? "-1 (aten), -2 or -8 (aten over 2 or 8 batch chunks) or 0 (im2col)"
                         : "only -1 (aten), -2 or -8 (aten over 2 or 8 batch chunks): im2col "
-                          "needs groups 1, no dilation, float or double",
+                          "needs groups 1, no dilation, a contiguous input, float or double",
               ")");
 }
 

@@ -6,9 +6,8 @@ ScheduleWrapper. Each stage is one module and hands a plain value to the next.
     from monet_like import ScheduleWrapper
 """
 
-__version__ = "0.1.0"
-
-from monet_like.errors import UserError  # noqa: E402
+from monet_like._version import __version__
+from monet_like.errors import UserError
 
 __all__ = ["ScheduleWrapper", "UserError", "__version__"]
 

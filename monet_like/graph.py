@@ -28,6 +28,13 @@ from monet_like.errors import UserError
 from monet_like.units import GIB
 
 FORWARD, BACKWARD = "forward", "backward"
+# Ops that update buffers (BatchNorm's running statistics) whose values never reach their
+# outputs in training: a recomputation runs them on copies of the buffers, so the update
+# happens once and the outputs are those of the forward pass. The aten ones write the
+# buffers without declaring it in their schema.
+RUNNING_STAT_WRITERS = frozenset(
+    {"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm", "batch_norm_inplace_"}
+)
 # Storage kinds. Placeholders stay alive the whole step; gradients live to its end.
 PARAM, BUFFER, INPUT, SEED, ACTIVATION, GRADIENT = (
     "param",
@@ -77,6 +84,7 @@ class Op:
     node: int | None  # forward: the node it belongs to; backward: whose backward it is
     seq_nr: int
     random: bool = False  # draws from the RNG (dropout): recomputing it would differ
+    writes: tuple[int, ...] = ()  # existing storages it writes in place (`Tensor(a!)`)
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,14 @@ class Graph:
     nodes: list[Node]
     fingerprint: str = ""
     input_grad: bool = False  # the step also computes the gradient of the input
+    # The training loop holds the model's outputs until the backward pass ends
+    # (`out = model(x); loss = f(out); loss.backward()`): they count to the step's end.
+    # False: the loop drops them before backward (`f(model(x)).backward()`).
+    outputs_held: bool = True
+    output_storages: tuple[int, ...] = ()  # activation storages of the model's outputs
+    # The forward pass runs under torch.autocast in this dtype ("bfloat16", "float16"):
+    # its casts are ops of the graph. None: no autocast.
+    autocast: str | None = None
     variants: tuple[str, ...] = ()  # operator variants rewritten into it (monet_like.variants)
     # The traced torch.fx.GraphModule, for the profiler and the replay to run, and the
     # pytree spec of the model's outputs: not part of the value.
@@ -165,7 +181,13 @@ class Graph:
         )
 
 
-def _fingerprint(storages: list[Storage], ops: list[Op], input_grad: bool) -> str:
+def _fingerprint(
+    storages: list[Storage],
+    ops: list[Op],
+    input_grad: bool,
+    outputs_held: bool = True,
+    autocast: str | None = None,
+) -> str:
     h = hashlib.sha256()
     for s in storages:
         h.update(
@@ -174,6 +196,8 @@ def _fingerprint(storages: list[Storage], ops: list[Op], input_grad: bool) -> st
     for o in ops:
         h.update(f"o{o.target}:{o.phase}:{o.reads}:{o.allocates}:{o.outputs};".encode())
     h.update(b"input_grad" if input_grad else b"")
+    h.update(b"" if outputs_held else b"outputs_freed")
+    h.update(f"autocast:{autocast}".encode() if autocast else b"")
     return h.hexdigest()[:16]
 
 
@@ -230,7 +254,13 @@ def _differentiable(outputs: Any) -> tuple[list[torch.Tensor], Any, list[int]]:
 
 
 def _trace(
-    model: nn.Module, example: torch.Tensor, fake_params, fake_buffers, fake_mode, input_grad: bool
+    model: nn.Module,
+    example: torch.Tensor,
+    fake_params,
+    fake_buffers,
+    fake_mode,
+    input_grad: bool,
+    autocast: torch.dtype | None = None,
 ):
     """make_fx over one training step written functionally.
 
@@ -252,7 +282,11 @@ def _trace(
     def forward(params, buffers, x):
         state = dict(zip(param_names, params, strict=True))
         state.update(zip(buffer_names, buffers, strict=True))
-        return functional_call(model, state, (x,))
+        if autocast is None:
+            return functional_call(model, state, (x,))
+        # as a training loop runs it: the forward under autocast, the backward outside
+        with torch.autocast(example.device.type, dtype=autocast):
+            return functional_call(model, state, (x,))
 
     if input_grad:
         example.requires_grad_(True)
@@ -265,6 +299,7 @@ def _trace(
         wrt = [params[i] for i in trainable] + ([x] if input_grad else [])
         _tag_backward_ops([leaves[i] for i in diff])
         grads = torch.autograd.grad([leaves[i] for i in diff], wrt, tangents, allow_unused=True)
+        grads = [_in_layout_of(g, w) for g, w in zip(grads, wrt, strict=True)]
         return [t if isinstance(t, torch.Tensor) else None for t in leaves], list(grads)
 
     handles = _record_module_paths(model)
@@ -275,6 +310,63 @@ def _trace(
         for h in handles:
             h.remove()
     return gm, spec, diff
+
+
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def kernel_nbytes(target: Any, args: Any, index: int, t: torch.Tensor) -> int:
+    """Bytes the real kernel allocates for output `index` of op `target` (called with
+    `args`), where fake tensors say otherwise: on CPU, BatchNorm of a bfloat16 or float16
+    input with float32 parameters or statistics keeps its batch statistics in float32,
+    which the fake kernel gives the input's dtype (a mixed-precision step's peak would
+    be under-predicted by those bytes). Elsewhere the tensor's own storage size."""
+    name = getattr(target, "__name__", "").split(".")[0]
+    if (
+        index in (1, 2)
+        and name in ("native_batch_norm", "_native_batch_norm_legit")
+        and t.device.type == "cpu"
+        and isinstance(args, (list, tuple))
+        and isinstance(args[0], torch.Tensor)
+        and args[0].dtype in _REDUCED
+        and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args[1:5])
+    ):
+        return t.numel() * 4
+    return int(t.untyped_storage().nbytes())
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t` covers its storage span exactly once (a permutation of contiguous)."""
+    expected = 1
+    dims = zip(t.shape, t.stride(), strict=True)
+    for stride, size in sorted((st, sz) for sz, st in dims if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _obeys_layout(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether autograd's AccumulateGrad takes `grad` as `param.grad` as it is: with the
+    parameter's strides where the parameter is dense (size-1 dimensions aside),
+    contiguous otherwise. Else it copies it, a transient the memory model must see."""
+    if not _dense(param):
+        return grad.is_contiguous()
+    for size, g, p in zip(grad.shape, grad.stride(), param.stride(), strict=True):
+        if (size != 1 and g != p) or (size == 1 and g == 0):
+            return False
+    return True
+
+
+def _in_layout_of(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
+    """`grad` laid out as AccumulateGrad wants it (a convolution on a channels-last input
+    gives its weight a channels-last gradient): the copy it would make, made in the graph,
+    where its bytes are counted at the op that makes it."""
+    if grad is None or _obeys_layout(grad, param):
+        return grad
+    if not _obeys_layout(param, param):  # not dense: AccumulateGrad wants it contiguous
+        return grad.contiguous()
+    return torch.empty_strided(param.shape, param.stride(), dtype=grad.dtype).copy_(grad)
 
 
 def _tag_backward_ops(outputs: list[torch.Tensor]) -> None:
@@ -350,12 +442,17 @@ def capture(
     device: str | torch.device = "cpu",
     model_name: str = "",
     input_grad: bool = False,
+    outputs_held: bool = True,
+    autocast: torch.dtype | None = None,
 ) -> Graph:
     """Capture the joint forward/backward graph of one training step on fake tensors.
 
     `model` may live on any device, "meta" included: only shapes are read. The
     model is put in training mode for the capture and restored afterwards. With
     `input_grad` the step also differentiates with respect to the (floating) input.
+    `outputs_held`: the training loop keeps the outputs referenced until the backward
+    pass ends (the usual loop); False where it drops them before calling backward.
+    `autocast`: the loop runs the forward pass under `torch.autocast` in this dtype.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -382,7 +479,9 @@ def capture(
                 "it has no input gradient"
             )
         try:
-            gm, out_spec, diff_outputs = _trace(model, x, params, buffers, fake_mode, input_grad)
+            gm, out_spec, diff_outputs = _trace(
+                model, x, params, buffers, fake_mode, input_grad, autocast
+            )
         except UserError:
             raise
         except Exception as exc:
@@ -409,6 +508,8 @@ def capture(
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         input_grad=input_grad,
+        outputs_held=outputs_held,
+        autocast=None if autocast is None else str(autocast).removeprefix("torch."),
     )
 
 
@@ -424,21 +525,24 @@ def derive(
     (`meta["val"]`): storages, ops in order, forward nodes.
 
     `placeholders`: (kind, name) of each placeholder in order. `facts`: model, batch,
-    input_shape, dtype, device, input_grad. Used by `capture` and again after a
-    variant rewrites the graph (`monet_like.variants`).
+    input_shape, dtype, device, input_grad, outputs_held, autocast. Used by `capture` and
+    again after a variant rewrites the graph (`monet_like.variants`).
     """
     from torch.multiprocessing.reductions import StorageWeakRef
 
     storage_ids: dict[Any, int] = {}
     storages: list[Storage] = []
 
-    def storage_of(t: torch.Tensor, kind: str, name: str) -> tuple[int, bool]:
+    def storage_of(
+        t: torch.Tensor, kind: str, name: str, nbytes: int | None = None
+    ) -> tuple[int, bool]:
         key = StorageWeakRef(t.untyped_storage())
         if key in storage_ids:
             return storage_ids[key], False
         sid = len(storages)
         storage_ids[key] = sid
-        storages.append(Storage(sid, int(t.untyped_storage().nbytes()), kind, name))
+        size = int(t.untyped_storage().nbytes()) if nbytes is None else nbytes
+        storages.append(Storage(sid, size, kind, name))
         return sid, True
 
     fx_nodes = list(gm.graph.nodes)
@@ -459,6 +563,13 @@ def derive(
         )
         for ph in phs
     }
+    # Tensor constants the trace lifted onto the module (`_tensor_constant0`): held by
+    # it for the whole step, read and never recomputed, like buffers.
+    for n in fx_nodes:
+        if n.op == "get_attr":
+            values[n.name] = tuple(
+                storage_of(t, BUFFER, n.name)[0] for t in _tensors(n.meta.get("val"))
+            )
     ops: list[Op] = []
     op_meta: list[dict] = []
     tainted = {s.id for s in storages if s.kind == SEED}  # depend on the incoming gradients
@@ -478,18 +589,23 @@ def derive(
                 if sid not in reads:
                     reads.append(sid)
         outputs, allocates = [], []
-        for t in _tensors(n.meta.get("val")):
-            sid, new = storage_of(t, ACTIVATION, n.name)
+        arg_vals = torch.fx.node.map_arg(n.args, lambda a: a.meta.get("val"))
+        for i, t in enumerate(_tensors(n.meta.get("val"))):
+            size = kernel_nbytes(n.target, arg_vals, i, t)
+            sid, new = storage_of(t, ACTIVATION, n.name, size)
             if sid not in outputs:
                 outputs.append(sid)
             if new:
                 allocates.append(sid)
         values[n.name] = tuple(outputs)
+        writes: list[int] = []
         for arg in written_args(n):  # an op may write an input it does not return
             for t in _tensors(arg.meta.get("val")):
                 sid, _ = storage_of(t, ACTIVATION, arg.name)
                 if sid not in outputs:
                     outputs.append(sid)
+                if sid not in allocates and sid not in writes:
+                    writes.append(sid)
         if not in_backward and tainted.intersection(reads):
             in_backward = True
         if in_backward:
@@ -508,6 +624,7 @@ def derive(
                 node=None,
                 seq_nr=int(n.meta.get("seq_nr", -1)),
                 random=torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()),
+                writes=tuple(writes),
             )
         )
         op_meta.append({"kind": _short_kind(n.target), "module": _module_path(n.meta)})
@@ -524,6 +641,15 @@ def derive(
             if s.kind == ACTIVATION:
                 storages[sid] = Storage(s.id, s.nbytes, GRADIENT, s.name)
 
+    output_storages = tuple(
+        dict.fromkeys(
+            s
+            for a in flat_outputs[: out_spec.num_leaves]
+            if isinstance(a, torch.fx.Node)
+            for s in values.get(a.name, ())
+            if storages[s].kind == ACTIVATION
+        )
+    )
     nodes, ops = _coarsen(ops, op_meta, storages)
     graph = Graph(
         **facts,
@@ -537,8 +663,11 @@ def derive(
         diff_outputs=list(diff_outputs),
         placeholders=list(placeholders),
         values=values,
+        output_storages=output_storages,
     )
-    graph.fingerprint = _fingerprint(storages, ops, graph.input_grad)
+    graph.fingerprint = _fingerprint(
+        storages, ops, graph.input_grad, graph.outputs_held, graph.autocast
+    )
     return graph
 
 

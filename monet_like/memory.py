@@ -38,6 +38,7 @@ from monet_like.graph import (
     Graph,
     default_loss,
     fake_like,
+    kernel_nbytes,
 )
 
 
@@ -81,6 +82,8 @@ def store_all_timeline(graph: Graph, workspace: dict[int, int] | None = None) ->
     """Walk the ops with the store-everything schedule eager PyTorch runs.
 
     `workspace` optionally maps an op index to transient bytes it needs while it runs.
+    Where the loop holds the model's outputs (`graph.outputs_held`), they live to the
+    step's end, as gradients do.
     """
     n_ops = len(graph.ops)
     delta = [0] * (n_ops + 1)  # difference array over op indices
@@ -90,11 +93,12 @@ def store_all_timeline(graph: Graph, workspace: dict[int, int] | None = None) ->
     for op in graph.ops:
         for s in op.allocates:
             alloc_at[s] = op.index
+    to_the_end = held_outputs(graph)
     for s in graph.storages:
         if s.kind in (PARAM, BUFFER, INPUT, SEED):
             always += s.nbytes
         elif alloc_at[s.id] >= 0:
-            end = n_ops if s.kind == GRADIENT else last[s.id] + 1
+            end = n_ops if s.kind == GRADIENT or s.id in to_the_end else last[s.id] + 1
             delta[alloc_at[s.id]] += s.nbytes
             delta[end] -= s.nbytes
     live, running = [], always
@@ -103,6 +107,12 @@ def store_all_timeline(graph: Graph, workspace: dict[int, int] | None = None) ->
         live.append(running + (workspace or {}).get(i, 0))
     peak_op = max(range(n_ops), key=live.__getitem__) if live else 0
     return Timeline(live, live[peak_op] if live else always, peak_op)
+
+
+def held_outputs(graph: Graph) -> frozenset[int]:
+    """The activation storages the training loop holds to the step's end: the model's
+    outputs, where `graph.outputs_held`."""
+    return frozenset(graph.output_storages) if graph.outputs_held else frozenset()
 
 
 def store_all_peak(graph: Graph, workspace: dict[int, int] | None = None) -> int:
@@ -136,25 +146,25 @@ class LiveStorageTracker(TorchDispatchMode):
         self.current -= self._sizes.pop(key, 0)
         self._refs.pop(key, None)
 
-    def track(self, t: torch.Tensor) -> None:
+    def track(self, t: torch.Tensor, nbytes: int | None = None) -> None:
         st = t.untyped_storage()
         key = st._cdata
-        size = int(st.nbytes())
+        size = int(st.nbytes()) if nbytes is None else nbytes
         old = self._sizes.get(key)
         if old is None:
             self._refs[key] = weakref.ref(st, lambda _r, k=key: self._forget(k))
             self._sizes[key] = size
             self.current += size
-        elif old != size:  # resized in place by an out= kernel
+        elif size > old:  # resized in place by an out= kernel (storages only grow)
             self._sizes[key] = size
             self.current += size - old
         self.peak = max(self.peak, self.current)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
+        for i, t in enumerate(tree_flatten(out)[0]):
             if isinstance(t, torch.Tensor):
-                self.track(t)
+                self.track(t, kernel_nbytes(func, args, i, t))
         return out
 
 
@@ -265,20 +275,34 @@ def measure_allocator(step_fn: Callable[[], object], live: Iterable[torch.Tensor
     return base + allocation_peak(roots)[0]
 
 
-def training_step(model: nn.Module, x: torch.Tensor, loss_fn=default_loss) -> None:
-    """One eager step: forward, loss, backward. The output dies before backward runs."""
-    loss_fn(model(x)).backward()
+def training_step(
+    model: nn.Module, x: torch.Tensor, loss_fn=default_loss, hold_outputs: bool = True
+) -> None:
+    """One eager step: forward, loss, backward. With `hold_outputs` (the usual loop) the
+    outputs stay referenced until backward ends; without, they die before it runs."""
+    if hold_outputs:
+        out = model(x)
+        loss_fn(out).backward()
+        del out
+    else:
+        loss_fn(model(x)).backward()
 
 
 def state_tensors(model: nn.Module) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers()]
 
 
-def measure_training_step(model: nn.Module, x: torch.Tensor) -> Measurement:
+def measure_training_step(
+    model: nn.Module, x: torch.Tensor, hold_outputs: bool = True
+) -> Measurement:
     """Measured peak of one eager training step, gradients starting from None."""
     model.train()
     model.zero_grad(set_to_none=True)
-    m = measure(lambda: training_step(model, x), [*state_tensors(model), x], x.device)
+    m = measure(
+        lambda: training_step(model, x, hold_outputs=hold_outputs),
+        [*state_tensors(model), x],
+        x.device,
+    )
     model.zero_grad(set_to_none=True)
     return m
 
@@ -289,6 +313,7 @@ def simulate(
     batch: int,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    hold_outputs: bool = True,
 ) -> Measurement:
     """Peak of an eager training step run on fake tensors: exact bytes, nothing allocated.
 
@@ -311,7 +336,9 @@ def simulate(
 
         def step() -> None:
             with fake_mode:
-                default_loss(functional_call(model, state, (x,))).backward()
+                training_step(
+                    lambda x: functional_call(model, state, (x,)), x, hold_outputs=hold_outputs
+                )
 
         tracker = LiveStorageTracker([*state.values(), x])
         with tracker:

@@ -41,7 +41,7 @@ from monet_like.errors import UserError
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocation_peak, record_allocations, store_all_peak
 
-PROFILE_FORMAT = 13  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
+PROFILE_FORMAT = 14  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
 # 7: CPU workspace measured at the solved batch when it fits in memory; 8: where it does not,
 # large ops measured alone there, and PyTorch's convolution algorithm takes the step's figure;
 # 9: per-op times kept (op_times_s), so two graphs' profiles can share their common ops' times;
@@ -50,7 +50,8 @@ PROFILE_FORMAT = 13  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved
 # algorithm's fitted workspace at the chunk's batch plus one chunk's result;
 # 12: a large op is measured alone where it takes up to 80% of the memory free then (was half
 # of what was free before the first), and the ops left as fitted are named in workspace_method;
-# 13: a convolution's backward options measured with its gradient expanded as in the graph.
+# 13: a convolution's backward options measured with its gradient expanded as in the graph;
+# 14: its tensors laid out as in the graph (im2col is offered for contiguous inputs only).
 
 
 @dataclass(frozen=True)
@@ -504,7 +505,10 @@ def _site_calls(site: dict, nodes: dict, rows: int, device: torch.device, gen) -
             return None
         v = node.meta["val"]
         shape = [rows, *v.shape[1:]] if batch_dim else list(v.shape)
-        return torch.randn(shape, generator=gen, dtype=v.dtype).to(device)
+        # laid out as in the graph (a channels-last input takes other algorithms)
+        order = sorted(range(v.dim()), key=lambda d: -v.stride(d))
+        dense = torch.randn([shape[d] for d in order], generator=gen, dtype=v.dtype)
+        return dense.permute([order.index(d) for d in range(v.dim())]).to(device)
 
     fwd = nodes[site["forward"][0]]
     x_node, w_node, b_node, stride, padding, dilation, groups, _ = fwd.args

@@ -20,20 +20,15 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from monet_like.graph import BACKWARD, FORWARD, Graph, tangents_for
+from monet_like.graph import BACKWARD, FORWARD, RUNNING_STAT_WRITERS, Graph, tangents_for
 from monet_like.solution import Solution
+from monet_like.validate import ScheduleError, validate
 from monet_like.variants import select
 
 if TYPE_CHECKING:
     from monet_like.profile import Profile
 
 ORIGINAL = -1  # version of a value computed in the forward pass
-# Ops that write their buffer arguments without saying so in their schema.
-_UNDECLARED_WRITERS = {"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"}
-
-
-class ScheduleError(RuntimeError):
-    """A schedule that cannot run on this graph: a bug or a file for another model."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +52,7 @@ class Schedule:
     n_tangents: int
     placeholders: list[str]
     recomputed_units: int
+    constants: list[str]  # tensor constants lifted onto `fx` (get_attr), read as they are
 
 
 def build(graph: Graph, solution: Solution) -> Schedule:
@@ -68,6 +64,7 @@ def build(graph: Graph, solution: Solution) -> Schedule:
             f"the solution was solved for graph {solution.fingerprint}, this graph is "
             f"{graph.fingerprint}"
         )
+    _check_decisions(graph, solution)
     # Variant sites the solver turned off run the aten op they replaced; the forward
     # ops such a variant added are gone from the module, and skipped below.
     gm = select(graph, solution.variants_off, solution.algorithms).fx
@@ -89,7 +86,8 @@ def build(graph: Graph, solution: Solution) -> Schedule:
         latest[name] = version
 
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    for name in placeholders:
+    constants = [n.name for n in gm.graph.nodes if n.op == "get_attr"]
+    for name in placeholders + constants:
         latest[name] = ORIGINAL
     for op in graph.ops:
         if op.phase == FORWARD:
@@ -151,14 +149,15 @@ def build(graph: Graph, solution: Solution) -> Schedule:
         if o is not None:
             last[(o, ORIGINAL)] = max(last.get((o, ORIGINAL), 0), n_forward - 1)
     free_after: list[list[tuple[str, int]]] = [[] for _ in steps]
+    held = set(placeholders) | set(constants)
     for key, k in last.items():
-        if key[0] not in placeholders and k < never:
+        if key[0] not in held and k < never:
             free_after[k].append(key)
 
     n_tangents = sum(s.kind == "seed" for s in graph.storages)
     n_params = sum(1 for s in graph.storages if s.kind == "param")
     n_buffers = len(placeholders) - n_params - 1 - n_tangents
-    return Schedule(
+    schedule = Schedule(
         fx=gm,
         steps=steps,
         n_forward=n_forward,
@@ -170,7 +169,60 @@ def build(graph: Graph, solution: Solution) -> Schedule:
         n_tangents=n_tangents,
         placeholders=placeholders,
         recomputed_units=recomputed,
+        constants=constants,
     )
+    validate(schedule)
+    return schedule
+
+
+def _check_decisions(graph: Graph, solution: Solution) -> None:
+    """The decisions fit this graph: node ids in range, each node in one unit at most,
+    and the stages' ops the backward pass's, each once and in order."""
+    n_nodes = len(graph.nodes)
+    seen: set[int] = set()
+    for u, nodes in enumerate(solution.units):
+        bad = [n for n in nodes if n >= n_nodes or n in seen]
+        if bad:
+            raise ScheduleError(
+                f"unit {u} names node {bad[0]}, which is out of range or in another unit"
+            )
+        seen.update(nodes)
+    backward = [op.index for op in graph.ops if op.phase == BACKWARD]
+    listed = [i for stage in solution.stages for i in stage["ops"]]
+    if listed != backward:
+        where = next(
+            (k for k, (a, b) in enumerate(zip(listed, backward, strict=False)) if a != b),
+            min(len(listed), len(backward)),
+        )
+        raise ScheduleError(
+            f"the stages list {len(listed)} backward ops where the graph runs {len(backward)}"
+            f" (they part at position {where}): each must run once, in eager order"
+        )
+
+
+def check_budget(graph: Graph, schedule: Schedule, solution: Solution) -> int:
+    """The schedule's peak simulated on fake tensors with the workspace the file records;
+    ScheduleError when it exceeds the solution's budget. Returns the peak."""
+    op_index = {op.name: op.index for op in graph.ops}
+    workspace = {op_index[n]: b for n, b in solution.workspace.items() if n in op_index}
+    peak = simulate(graph, schedule, workspace)
+    if peak > solution.budget_bytes:
+        raise ScheduleError(
+            f"the schedule's simulated peak, {peak} bytes, exceeds its budget of "
+            f"{solution.budget_bytes}: the file's decisions do not fit; solve again"
+        )
+    return peak
+
+
+def _no_autocast():
+    """Autocast off on every device type it may be on, for the duration."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
 
 
 class _Plan(NamedTuple):
@@ -241,7 +293,7 @@ class Executor:
         its schema, so it is named here; other ops are caught by their schema."""
         schema = getattr(node.target, "_schema", None)
         name = getattr(node.target, "__name__", "").split(".")[0]
-        if not (name in _UNDECLARED_WRITERS or (schema is not None and schema.is_mutable)):
+        if not (name in RUNNING_STAT_WRITERS or (schema is not None and schema.is_mutable)):
             return args
         return tuple(
             a.clone()
@@ -253,6 +305,10 @@ class Executor:
     def run(self, env: dict, start: int, stop: int, handed_out: dict | None = None) -> None:
         """Run steps [start, stop). Values in `handed_out` are stored there before our
         own reference to them is dropped (the model's outputs go to the user)."""
+        with _no_autocast():  # the graph's ops are post-autocast: its casts are steps
+            self._run(env, start, stop, handed_out)
+
+    def _run(self, env: dict, start: int, stop: int, handed_out: dict | None) -> None:
         for k in range(start, stop):
             self._run_step(k, env)
             if self.on_step is not None:
@@ -263,11 +319,22 @@ class Executor:
                 else:
                     env.pop(key, None)  # bind nothing: a local would keep it alive a step
 
+    def constant_values(self) -> list[torch.Tensor]:
+        """The tensor constants the traced module holds, in `schedule.constants` order."""
+        from functools import reduce
+
+        fx = self.schedule.fx
+        return [
+            reduce(getattr, self.fx_nodes[n].target.split("."), fx) for n in self.schedule.constants
+        ]
+
     def forward(self, params, buffers, x) -> tuple[dict, list]:
         """Run the forward steps; return what the backward pass needs, and the outputs."""
         s = self.schedule
         env: dict = {}
         for name, v in zip(s.placeholders, [*params, *buffers, x], strict=False):
+            env[(name, ORIGINAL)] = v
+        for name, v in zip(s.constants, self.constant_values(), strict=True):
             env[(name, ORIGINAL)] = v
         handed_out = {(o, ORIGINAL): None for o in s.outputs if o}
         self.run(env, 0, s.n_forward, handed_out)
@@ -309,7 +376,8 @@ def simulate(graph: Graph, schedule: Schedule, workspace: dict[int, int] | None 
     p, b = schedule.n_params, schedule.n_buffers
     params, buffers, x = values[:p], values[p : p + b], values[p + b]
     executor = Executor(graph, schedule)
-    tracker = LiveStorageTracker([*params, *buffers, x, *tangents, *loss])
+    constants = executor.constant_values()
+    tracker = LiveStorageTracker([*params, *buffers, x, *constants, *tangents, *loss])
     peak = tracker.current
 
     def on_step(k: int) -> None:
@@ -320,7 +388,8 @@ def simulate(graph: Graph, schedule: Schedule, workspace: dict[int, int] | None 
     executor.on_step = on_step
     with fake_mode, tracker:
         env, outputs = executor.forward(params, buffers, x)
-        del outputs  # the user's loss is computed from them; eager frees them before backward
+        if not graph.outputs_held:
+            del outputs  # the loop computes its loss from them and drops them
         executor.backward(env, tangents)
     return max(peak, tracker.peak)
 
@@ -332,6 +401,7 @@ def finalize(graph: Graph, solution: Solution, profile: Profile | None = None) -
     simulated peak."""
     workspace = None if profile is None else profile.workspace_by_op(graph, solution.algorithms)
     simulated = simulate(graph, build(graph, solution), workspace)
+    solution.workspace = {graph.ops[i].name: int(b) for i, b in (workspace or {}).items() if b}
     solution.extra["milp_peak_bound_bytes"] = solution.predicted_peak_bytes
     solution.predicted_peak_bytes = simulated
     solution.predicted_peak_at = "simulated schedule"

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_unflatten
 
 from monet_like.errors import UserError
 from monet_like.graph import capture
-from monet_like.schedule import Executor, build
+from monet_like.schedule import Executor, build, check_budget
 from monet_like.solution import load
 from monet_like.variants import apply as apply_variants
 
@@ -73,6 +73,11 @@ class ScheduleWrapper(nn.Module):
                 f"not {self.input_shape}: solve again for this shape"
             )
         param = next(model.parameters())
+        if param.dtype != getattr(torch, sol.dtype):
+            raise ScheduleMismatch(
+                f"{solution_file} was solved for {sol.dtype}, this model's parameters are "
+                f"{str(param.dtype).removeprefix('torch.')}: solve again for this dtype"
+            )
         graph = capture(
             model,
             self.input_shape,
@@ -81,6 +86,8 @@ class ScheduleWrapper(nn.Module):
             param.device,
             sol.model,
             input_grad=sol.input_grad,
+            outputs_held=sol.outputs_held,
+            autocast=None if sol.autocast is None else getattr(torch, sol.autocast),
         )
         # The variants the schedule runs on: a mode's solve may keep the captured graph
         # when its schedule is faster (format 1 files predate variants: none).
@@ -92,10 +99,14 @@ class ScheduleWrapper(nn.Module):
                 f"{graph.fingerprint}): solve again for this model"
             )
         self._graph = graph
-        self._schedule = build(graph, sol)
+        self._schedule = build(graph, sol)  # refuses decisions that would change a value
+        check_budget(graph, self._schedule, sol)  # and decisions that exceed the budget
         self._executor = Executor(graph, self._schedule)
         self._diff_index = graph.diff_outputs
         self._gammas = _output_activated_gammas(self._schedule)
+        s = self._schedule
+        x_name = s.placeholders[s.n_params + s.n_buffers]
+        self._input_dtype = next(n.meta["val"].dtype for n in s.fx.graph.nodes if n.name == x_name)
 
     @property
     def graph(self):
@@ -126,6 +137,27 @@ class ScheduleWrapper(nn.Module):
         if tuple(x.shape) != expected:
             raise ScheduleMismatch(
                 f"input of shape {tuple(x.shape)} given to a schedule solved for {expected}"
+            )
+        device_type = x.device.type
+        active = (
+            str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+            if torch.is_autocast_enabled(device_type)
+            else None
+        )
+        if active != self.solution.autocast:
+            raise ScheduleMismatch(
+                f"this step runs {f'under autocast({active})' if active else 'without autocast'}"
+                " but the schedule was solved "
+                + (
+                    f"under autocast({self.solution.autocast})"
+                    if self.solution.autocast
+                    else "without it"
+                )
+                + ": solve again with the training loop's autocast"
+            )
+        if x.dtype != self._input_dtype:
+            raise ScheduleMismatch(
+                f"input of dtype {x.dtype} given to a schedule solved for {self._input_dtype}"
             )
         if x.requires_grad and not self.solution.input_grad:
             raise ScheduleMismatch(

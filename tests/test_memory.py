@@ -31,12 +31,14 @@ SMALL_MODELS = [
 
 @pytest.mark.parametrize("expression, shape, batch", SMALL_MODELS)
 def test_predicted_store_all_peak_matches_measured_eager_step(expression, shape, batch):
+    """The loop that drops the outputs before backward (`loss(model(x)).backward()`)."""
     spec = parse_model(expression)
     torch.manual_seed(0)
     model = spec.build("cpu")
-    graph = capture(model, shape, batch, model_name=expression)
+    graph = capture(model, shape, batch, model_name=expression, outputs_held=False)
     predicted = store_all_peak(graph)
-    measured = measure_training_step(model, make_input(model, shape, batch, torch.float32))
+    x = make_input(model, shape, batch, torch.float32)
+    measured = measure_training_step(model, x, hold_outputs=False)
     assert measured.baseline_bytes == graph.param_bytes + graph.buffer_bytes + graph.input_bytes
     # Exact, except where the peak falls in the forward pass: the model counts the loss
     # and its gradient (two scalars) from the start of the step.
@@ -44,8 +46,26 @@ def test_predicted_store_all_peak_matches_measured_eager_step(expression, shape,
         predicted,
         measured.peak_bytes,
     )
-    simulated = simulate(model, shape, batch)
+    simulated = simulate(model, shape, batch, hold_outputs=False)
     assert simulated.peak_bytes <= predicted <= simulated.peak_bytes + 8
+
+
+@pytest.mark.parametrize("expression, shape, batch", SMALL_MODELS)
+def test_predicted_store_all_peak_with_the_outputs_held(expression, shape, batch):
+    """The usual loop, `out = model(x); loss(out).backward()`: the outputs count until
+    the backward pass ends. The model frees each value after its last reader; eager
+    autograd frees some at the end of the node that read them, a little later: on the
+    GPT, whose peak is then in the backward pass, 256 bytes later than modelled."""
+    torch.manual_seed(0)
+    model = parse_model(expression).build("cpu")
+    held = capture(model, shape, batch, model_name=expression)
+    freed = capture(model, shape, batch, model_name=expression, outputs_held=False)
+    predicted = store_all_peak(held)
+    assert predicted >= store_all_peak(freed)
+    measured = measure_training_step(model, make_input(model, shape, batch, torch.float32))
+    assert predicted - 8 <= measured.peak_bytes <= predicted + 256, (predicted, measured)
+    simulated = simulate(model, shape, batch).peak_bytes
+    assert predicted - 8 <= simulated <= predicted + 256, (predicted, simulated)
 
 
 def test_resnet50_at_batch_184_is_close_to_monets_measured_pytorch_peak():

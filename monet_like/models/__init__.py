@@ -4,6 +4,9 @@ Accepted forms:
   torchvision.models.NAME(...)   any constructor in torchvision.models, literal arguments
   unet, unet(...)                the UNet defined in this package
   gpt, gpt(...)                  the small GPT-style transformer defined in this package
+  timm.NAME(...)                 timm.create_model("NAME", ...), random weights
+  transformers.ARCH(...)         a transformers model from its config fields (gpt2, bert,
+                                 llama, t5, vit...), returning its logits
   package.module:factory(...)    a user's own factory, imported by module path
 Arguments must be Python literals (numbers, strings, booleans, None, tuples...).
 """
@@ -69,7 +72,7 @@ class ModelSpec:
     """A parsed model expression: what to call and with which literal arguments."""
 
     expression: str
-    family: str  # "torchvision", "repo" or "factory"
+    family: str  # "torchvision", "timm", "transformers", "repo" or "factory"
     target: str  # constructor name, in-repo model name, or "module:factory"
     args: tuple = ()
     kwargs: tuple = field(default_factory=tuple)  # sorted (name, value) pairs
@@ -78,11 +81,23 @@ class ModelSpec:
     def name(self) -> str:
         """A short name fit for file names: 'resnet50', 'unet', 'mypkg.nets_tiny'."""
         base = self.target.replace(":", "_")
-        return base.rsplit(".", 1)[-1] if self.family == "torchvision" else base
+        if self.family == "torchvision":
+            return base.rsplit(".", 1)[-1]
+        if self.family in ("timm", "transformers"):
+            return f"{self.family}_{base}"
+        return base
 
     def constructor(self) -> Callable[..., nn.Module]:
         if self.family == "repo":
             return _in_repo_models()[self.target]
+        if self.family == "timm":
+            from monet_like.models.thirdparty import timm_constructor
+
+            return timm_constructor(self.target)
+        if self.family == "transformers":
+            from monet_like.models.thirdparty import hf_constructor
+
+            return hf_constructor(self.target)
         if self.family == "torchvision":
             import torchvision.models as tvm
 
@@ -132,6 +147,10 @@ class ModelSpec:
     def default_input_shape(self) -> tuple[int, ...] | None:
         if self.family == "factory":
             return None
+        if self.family in ("timm", "transformers"):
+            from monet_like.models.thirdparty import default_input_shape
+
+            return default_input_shape(self.family, self.target, dict(self.kwargs))
         return _DEFAULT_SHAPES.get(self.target.rsplit(".", 1)[-1], _IMAGE_SHAPE)
 
 
@@ -190,14 +209,17 @@ def parse_model(expression: str) -> ModelSpec:
         spec = ModelSpec(expression, "factory", f"{factory_module}:{path}", args, kwargs)
     elif path in _in_repo_models():
         spec = ModelSpec(expression, "repo", path, args, kwargs)
+    elif path.startswith(("timm.", "transformers.")) and path.count(".") == 1:
+        family, _, name = path.partition(".")
+        spec = ModelSpec(expression, family, name, args, kwargs)
     elif path.startswith("torchvision.models."):
         spec = ModelSpec(
             expression, "torchvision", path[len("torchvision.models.") :], args, kwargs
         )
     else:
         raise UserError(
-            f"unknown model {path!r}: use torchvision.models.NAME(...), unet, gpt, "
-            "or package.module:factory"
+            f"unknown model {path!r}: use torchvision.models.NAME(...), timm.NAME(...), "
+            "transformers.ARCH(...), unet, gpt, or package.module:factory"
         )
     spec.constructor()  # fail now, with a clear message, if it does not resolve
     return spec

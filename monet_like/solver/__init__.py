@@ -463,6 +463,8 @@ def _solve(
         fixed_bytes=problem.fixed_bytes,
         ablation=ablation,
         input_grad=graph.input_grad,
+        outputs_held=graph.outputs_held,
+        autocast=graph.autocast,
         variants=list(graph.variants),
     )
     if budget_bytes >= problem.store_all_peak_bytes and not (problem.choices or problem.algorithms):

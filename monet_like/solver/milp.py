@@ -246,7 +246,7 @@ def formulate(
     s_index: dict[tuple[int, int], int] = {}
     for t, c in enumerate(cand):
         for u in c:
-            recomputable = not units[u].random and units[u].side_of is None
+            recomputable = units[u].recomputable
             if allow_recompute and recomputable and u not in optional_of:
                 r_index[t, u] = col
                 col += 1

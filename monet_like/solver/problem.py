@@ -17,7 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from monet_like.graph import ACTIVATION, BACKWARD, FORWARD, GRADIENT, Graph
+from monet_like.graph import (
+    ACTIVATION,
+    BACKWARD,
+    FORWARD,
+    GRADIENT,
+    RUNNING_STAT_WRITERS,
+    Graph,
+)
 from monet_like.memory import last_uses
 from monet_like.profile import backward_option, option
 
@@ -43,6 +50,15 @@ class Unit:
     # first and last forward op of its nodes (views folded into them included: a view
     # read late holds the unit's storage until then); None: its node ids stand in
     op_span: tuple[int, int] | None = None
+
+    # why it is never recomputed though it draws no random number ("" where it may be):
+    # it reads a value that an op writes in place afterwards, which a recomputation
+    # would see written
+    pinned: str = ""
+
+    @property
+    def recomputable(self) -> bool:
+        return not self.random and not self.pinned and self.side_of is None
 
     @property
     def span(self) -> tuple[int, int]:
@@ -146,7 +162,7 @@ def build_problem(
     `reference`: the profile of the graph before its variants were rewritten in; with
     it, every choosable variant site becomes a `Choice` (its off-time comes from there).
     Without it the variants are fixed on."""
-    from monet_like.memory import fixed_bytes, store_all_timeline
+    from monet_like.memory import fixed_bytes, held_outputs, store_all_timeline
 
     workspace = workspace if workspace is not None else profile.workspace_by_op()
     profiled_workspace = workspace
@@ -173,8 +189,11 @@ def build_problem(
             unit_of_storage[s] = uid
         return uid
 
+    # The outputs the training loop holds live to the step's end whatever the schedule
+    # does: never a unit's, counted like gradients.
+    held = held_outputs(graph)
     for node in graph.nodes:
-        acts = [s for s in node.outputs if storages[s].kind == ACTIVATION]
+        acts = [s for s in node.outputs if storages[s].kind == ACTIVATION and s not in held]
         overwritten = [
             unit_of_storage[s]
             for s in ops[node.op].outputs
@@ -211,6 +230,11 @@ def build_problem(
         if side:
             side_of[new_unit([], side)] = uid
 
+    unit_nodes, unit_storages, side_of, pinned = _join_reads_before_writes(
+        graph, unit_nodes, unit_storages, side_of
+    )
+    unit_of_storage = {s: uid for uid, acts in enumerate(unit_storages) for s in acts}
+    unit_of_node = {n: uid for uid, nids in enumerate(unit_nodes) for n in nids}
     n_units = len(unit_nodes)
     inputs: list[set[int]] = [set() for _ in range(n_units)]
     last_fwd = list(range(n_units))
@@ -234,6 +258,7 @@ def build_problem(
             last_forward_use=last_fwd[uid],
             random=any(ops[i].random for n in nids for i in graph.nodes[n].ops),
             side_of=side_of.get(uid),
+            pinned=pinned.get(uid, ""),
             side_bytes=sum(
                 storages[s].nbytes
                 for side, main in side_of.items()
@@ -262,7 +287,7 @@ def build_problem(
         for s in op.allocates:
             if s in unit_storage_set or storages[s].kind not in (ACTIVATION, GRADIENT):
                 continue
-            end = len(ops) if storages[s].kind == GRADIENT else last[s] + 1
+            end = len(ops) if storages[s].kind == GRADIENT or s in held else last[s] + 1
             diff[op.index] += storages[s].nbytes
             diff[end] -= storages[s].nbytes
     running = 0
@@ -365,6 +390,98 @@ def build_problem(
         store_all_time_s=profile.step_time_s,
         fixed_bytes=fixed_bytes(graph).total,
     )
+
+
+def _updates_statistics(op) -> bool:
+    return op.target.split(".")[-2] in RUNNING_STAT_WRITERS if "." in op.target else False
+
+
+def _join_reads_before_writes(
+    graph: Graph,
+    unit_nodes: list[list[int]],
+    unit_storages: list[list[int]],
+    side_of: dict[int, int],
+) -> tuple[list[list[int]], list[list[int]], dict[int, int], dict[int, str]]:
+    """Make every recomputation read what its forward op read.
+
+    A forward op that reads a storage which a later op writes in place (the clone
+    autograd takes of a SiLU's input before `silu_` overwrites it) would, recomputed on
+    its own, read the written value. Its unit is joined to the unit owning the storage,
+    so that both are recomputed together, their ops in forward order. Where the storage
+    is no unit's (an input, a buffer), or is written in the backward pass, or belongs
+    to a side unit, no recomputation can see the old value: the reader's unit is
+    pinned (kept), and so is the owner of a storage the backward pass writes, and a
+    unit that writes a buffer or an input in place (run twice, it would write twice).
+
+    Returns the units' nodes and storages after joining, the side units renumbered,
+    and the pinned units with the reason, naming the op.
+    """
+    ops = graph.ops
+    unit_of_node = {n: uid for uid, nids in enumerate(unit_nodes) for n in nids}
+    unit_of_storage = {s: uid for uid, acts in enumerate(unit_storages) for s in acts}
+    last_write: dict[int, int] = {}  # storage -> the last op that writes it in place
+    backward_writer: dict[int, int] = {}
+    for op in ops:
+        for s in op.writes:
+            last_write[s] = op.index
+            if op.phase == BACKWARD:
+                backward_writer.setdefault(s, op.index)
+
+    parent = list(range(len(unit_nodes)))
+
+    def find(u: int) -> int:
+        while parent[u] != u:
+            parent[u] = parent[parent[u]]
+            u = parent[u]
+        return u
+
+    pinned: dict[int, str] = {}
+    for s, j in backward_writer.items():
+        if s in unit_of_storage:
+            pinned[unit_of_storage[s]] = f"the backward op {ops[j].name} writes it in place"
+    for op in ops:  # run again, it would write a buffer (or an input) a second time
+        if op.phase == FORWARD and op.node in unit_of_node and not _updates_statistics(op):
+            outside = [s for s in op.writes if s not in unit_of_storage]
+            if outside:
+                pinned.setdefault(
+                    unit_of_node[op.node],
+                    f"{op.name} writes {graph.storages[outside[0]].name} in place",
+                )
+    for op in ops:
+        if op.phase != FORWARD or op.node is None or op.node not in unit_of_node:
+            continue
+        reader = unit_of_node[op.node]
+        for s in op.reads:
+            j = last_write.get(s, -1)
+            if j <= op.index or s in op.writes:
+                continue
+            owner = unit_of_storage.get(s)
+            if owner is None or owner in side_of or s in backward_writer:
+                pinned.setdefault(
+                    reader,
+                    f"{op.name} reads {graph.storages[s].name}, which {ops[j].name} then "
+                    "writes in place",
+                )
+            elif find(owner) != find(reader):
+                parent[find(reader)] = find(owner)
+
+    groups: dict[int, list[int]] = {}
+    for uid in range(len(unit_nodes)):
+        groups.setdefault(find(uid), []).append(uid)
+    if all(len(g) == 1 for g in groups.values()):
+        return unit_nodes, unit_storages, side_of, pinned
+    new_id: dict[int, int] = {}
+    nodes: list[list[int]] = []
+    storages: list[list[int]] = []
+    for members in sorted(groups.values()):  # by their first unit: forward order
+        for uid in members:
+            new_id[uid] = len(nodes)
+        nodes.append(sorted(n for uid in members for n in unit_nodes[uid]))
+        storages.append([s for uid in members for s in unit_storages[uid]])
+    reasons: dict[int, str] = {}
+    for uid, why in pinned.items():
+        reasons.setdefault(new_id[uid], why)
+    return nodes, storages, {new_id[a]: new_id[b] for a, b in side_of.items()}, reasons
 
 
 def _algorithm_ops(graph: Graph, profile) -> dict[str, tuple[int, int | None, dict]]:

@@ -138,7 +138,7 @@ def _drop_while_not_higher(
     peak = evaluate(f, x)["peak_bytes"]
     optional = {u for c in f.problem.choices for u in c.optional_units}
     order = sorted(
-        (u.id for u in units if not u.random and u.side_of is None and u.id not in optional),
+        (u.id for u in units if u.recomputable and u.id not in optional),
         key=lambda u: units[u].bytes / (units[u].recompute_s + 1e-9),
         reverse=True,
     )
@@ -210,7 +210,7 @@ def keep_back(f: Formulation, x: np.ndarray, budget_bytes: int) -> np.ndarray:
     kept = x[f.keep].astype(bool)
     cost = float(f.cost @ x)
     order = sorted(
-        (u.id for u in units if not u.random and u.side_of is None),
+        (u.id for u in units if u.recomputable),
         key=lambda u: units[u].recompute_s,
         reverse=True,
     )

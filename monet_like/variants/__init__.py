@@ -90,6 +90,8 @@ def refresh(graph: Graph, gm: torch.fx.GraphModule, variants: tuple[str, ...]) -
         dtype=graph.dtype,
         device=graph.device,
         input_grad=graph.input_grad,
+        outputs_held=graph.outputs_held,
+        autocast=graph.autocast,
     )
 
 
