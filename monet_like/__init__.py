@@ -3,13 +3,16 @@
 The data flow: graph.capture -> profile.profile -> solver.solve -> schedule.build ->
 ScheduleWrapper. Each stage is one module and hands a plain value to the next.
 
-    from monet_like import ScheduleWrapper
+    import monet_like
+    compiled = monet_like.compile(model, (3, 224, 224), 32, budget_bytes=4 * 2**30,
+                                  output="schedule.json")
+    wrapped = monet_like.ScheduleWrapper(model, "schedule.json", (3, 224, 224))
 """
 
 from monet_like._version import __version__
 from monet_like.errors import UserError
 
-__all__ = ["ScheduleWrapper", "UserError", "__version__"]
+__all__ = ["ScheduleWrapper", "UserError", "__version__", "compile"]
 
 
 def __getattr__(name: str):
@@ -18,4 +21,8 @@ def __getattr__(name: str):
         from monet_like.wrapper import ScheduleWrapper
 
         return ScheduleWrapper
+    if name == "compile":  # the whole pipeline: monet_like.pipeline.compile_schedule
+        from monet_like.pipeline import compile_schedule
+
+        return compile_schedule
     raise AttributeError(f"module 'monet_like' has no attribute {name!r}")

@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from monet_like.graph import capture, default_loss
-from monet_like.memory import measure_allocator, state_tensors
+from monet_like.memory import measure_allocator, state_tensors, training_step
 from monet_like.models import make_input, parse_model
 from monet_like.profile import profile
 from monet_like.schedule import finalize
@@ -133,7 +133,7 @@ def main() -> None:
             wrapped = ScheduleWrapper(model, path, shape)
             model.zero_grad(set_to_none=True)
             measured = measure_allocator(
-                lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(model), x]
+                lambda w=wrapped, x=x: training_step(w, x), [*state_tensors(model), x]
             )
             times = {"eager": [], "schedule": []}
             for _ in range(args.iterations + 1):

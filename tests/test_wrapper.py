@@ -10,7 +10,12 @@ from torch.utils._pytree import tree_flatten
 from monet_like import ScheduleWrapper
 from monet_like.errors import UserError
 from monet_like.graph import capture, default_loss
-from monet_like.memory import measure_allocator, measure_training_step, state_tensors
+from monet_like.memory import (
+    measure_allocator,
+    measure_training_step,
+    state_tensors,
+    training_step,
+)
 from monet_like.models import make_input, parse_model
 from monet_like.profile import profile
 from monet_like.schedule import ORIGINAL, build, finalize
@@ -141,7 +146,7 @@ def test_replay_equals_eager_and_fits_the_prediction(expression, shape, batch, d
         replayed.zero_grad(set_to_none=True)
         live = measure_training_step(wrapped, x).peak_bytes
         allocator = measure_allocator(
-            lambda w=wrapped, x=x: default_loss(w(x)).backward(), [*state_tensors(replayed), x]
+            lambda w=wrapped, x=x: training_step(w, x), [*state_tensors(replayed), x]
         )
         assert live <= sol.predicted_peak_bytes * 1.02 and live <= budget
         # The allocator sees kernels' scratch too: still inside the budget.
@@ -178,7 +183,7 @@ def test_input_gradient_equals_eager(expression, shape, batch, tmp_path):
         replayed.zero_grad(set_to_none=True)  # a step from no gradients, as predicted
         x_r.grad = None
         allocator = measure_allocator(
-            lambda w=wrapped, x=x_r: default_loss(w(x)).backward(), [*state_tensors(replayed), x_r]
+            lambda w=wrapped, x=x_r: training_step(w, x), [*state_tensors(replayed), x_r]
         )
         # The allocator also sees the user's loss scalar, which no schedule predicts.
         assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)

@@ -166,11 +166,7 @@ def build_problem(
 
     workspace = workspace if workspace is not None else profile.workspace_by_op()
     profiled_workspace = workspace
-    # Convolutions with algorithm options: their ops' workspace is the chosen option's,
-    # added by the MILP, so it is left out of every constant below.
     algorithm_ops = _algorithm_ops(graph, profile)
-    chosen_ops = {i for f, b, _ in algorithm_ops.values() for i in (f, b) if i is not None}
-    workspace = {i: w for i, w in workspace.items() if i not in chosen_ops}
     node_time = {n.node: n.forward_s for n in profile.nodes}
     storages, ops = graph.storages, graph.ops
 
@@ -199,7 +195,8 @@ def build_problem(
             for s in ops[node.op].outputs
             if s in unit_of_storage and s not in node.outputs
         ]
-        if not acts:
+        held_here = [s for s in node.outputs if s in held]
+        if not acts and not held_here:
             if node.inplace and overwritten:
                 unit_nodes[overwritten[0]].append(node.id)
                 unit_of_node[node.id] = overwritten[0]
@@ -209,12 +206,12 @@ def build_problem(
         # own, kept rather than recomputed, so that the large output can be dropped
         # while a backward op still reads the statistics.
         largest = max(
-            [storages[s].nbytes for s in acts]
+            [storages[s].nbytes for s in acts + held_here]
             + [storages[s].nbytes for u in overwritten[:1] for s in unit_storages[u]]
         )
         side = [s for s in acts if storages[s].nbytes * SIDE_RATIO <= largest]
         main = [s for s in acts if s not in side]
-        if not main and not overwritten:  # nothing larger to hang them on (empty tensors)
+        if not main and not overwritten and not held_here:  # nothing larger (empty tensors)
             main, side = acts, []
         if overwritten:
             # Also writes an earlier unit's storage (BatchNorm run in place): recomputing
@@ -235,6 +232,19 @@ def build_problem(
     )
     unit_of_storage = {s: uid for uid, acts in enumerate(unit_storages) for s in acts}
     unit_of_node = {n: uid for uid, nids in enumerate(unit_nodes) for n in nids}
+    # Convolutions with algorithm options (and a unit to recompute them with): the MILP
+    # adds their ops' workspace, the chosen option's, so it is left out of the constants.
+    algorithm_ops = {
+        site: found for site, found in algorithm_ops.items() if ops[found[0]].node in unit_of_node
+    }
+    chosen_ops = {i for f, b, _ in algorithm_ops.values() for i in (f, b) if i is not None}
+    workspace = {i: w for i, w in workspace.items() if i not in chosen_ops}
+    # A unit that makes a held output (its storage is no unit's) is never recomputed: a
+    # second copy of the output would be uncounted, the first one being alive anyway.
+    for uid, nids in enumerate(unit_nodes):
+        made = [s for n in nids for i in graph.nodes[n].ops for s in ops[i].outputs if s in held]
+        if made:
+            pinned.setdefault(uid, f"it makes {storages[made[0]].name}, an output the loop holds")
     n_units = len(unit_nodes)
     inputs: list[set[int]] = [set() for _ in range(n_units)]
     last_fwd = list(range(n_units))
@@ -360,8 +370,6 @@ def build_problem(
     algorithms = []
     for site, (fwd_op, bwd_op, options) in algorithm_ops.items():
         node = graph.ops[fwd_op].node
-        if node not in unit_of_node:
-            continue
         fwd_s, bwd_s = profiled[node].forward_s, profiled[node].backward_s
         fwd_scale = fwd_s / max(option(options["forward"], -1)[0], 1e-12)
         bwd_scale = bwd_s / max(backward_option(options, -1, -1)[0], 1e-12)

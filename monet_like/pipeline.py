@@ -1,0 +1,152 @@
+"""The whole pipeline in one call: capture, profile, solve, build and check a schedule.
+
+    solution = monet_like.compile(model, (3, 224, 224), batch=32, budget_gb=4,
+                                  mode="inplace_conv_multiway_newnode", solver="HIGHS",
+                                  output="resnet50_32_4.json")
+    wrapped = ScheduleWrapper(model, "resnet50_32_4.json", (3, 224, 224))
+
+The command line (`solve.py`), the examples and the benchmark scripts all go through
+`compile`, so that each stage runs the same way wherever a schedule is made.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from monet_like.errors import UserError
+from monet_like.units import GIB
+
+
+@dataclass
+class Compiled:
+    """What `compile_schedule` made: the solution (saved where asked), the graph it runs
+    on and that graph's profile, for callers that go on to inspect or replay it."""
+
+    solution: object  # monet_like.solution.Solution
+    graph: object  # monet_like.graph.Graph
+    profile: object  # monet_like.profile.Profile
+
+
+def compile_schedule(
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    batch: int,
+    budget_bytes: int | None = None,
+    mode: str = "normal",
+    solver: str = "HIGHS",
+    *,
+    budget_fraction: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    model_name: str = "",
+    time_limit: float | None = 600.0,
+    formulation: str = "compact",
+    depth: int | None = None,
+    frees: bool = False,
+    ablation: bool = False,
+    input_grad: bool = False,
+    outputs_held: bool = True,
+    autocast: torch.dtype | None = None,
+    profile_batch: int | None = None,
+    repeats: int = 3,
+    output: str | os.PathLike | None = None,
+    progress: Callable[[str], None] | None = None,
+    verbose: bool = False,
+) -> Compiled:
+    """Capture `model`'s training step, profile it, solve for `budget_bytes` and check
+    the schedule on fake tensors (its simulated peak, workspace included, must fit).
+
+    Args:
+        model: the model, with real parameters on `device`.
+        input_shape: one sample's input shape, without the batch dimension.
+        batch: the batch size.
+        budget_bytes: the budget for one training step (parameters, gradients, buffers,
+            input, activations, workspace), in bytes.
+        mode: "normal" or MONeT's variant flags joined by "_".
+        solver: "HIGHS", "CBC", "PULP" or "GUROBI".
+        budget_fraction: instead of `budget_bytes`, a point between the smallest feasible
+            budget (0.0) and the store-all peak (1.0), found by solving the min-memory
+            problem first.
+        output: where to save the solution file (atomically); None: not saved.
+        progress: receives one line per event worth showing.
+        The others: as `solve.py`'s options of the same names.
+
+    Returns:
+        `Compiled`: the Solution, the graph it runs on and its profile.
+
+    Raises:
+        UserError: bad input; `solver.InfeasibleBudget` (a UserError) when no schedule
+        fits, with the smallest feasible budget.
+    """
+    from monet_like.graph import capture
+    from monet_like.profile import profile as take_profile
+    from monet_like.schedule import finalize
+    from monet_like.solver import (
+        DEFAULT_DEPTH,
+        min_feasible_budget,
+        parse_mode,
+        schedule_graph,
+        solve,
+    )
+    from monet_like.solver.problem import build_problem
+    from monet_like.variants import apply as apply_variants
+
+    if (budget_bytes is None) == (budget_fraction is None):
+        raise UserError("give exactly one of budget_bytes and budget_fraction")
+    parse_mode(mode)
+    captured = capture(
+        model,
+        tuple(input_shape),
+        batch,
+        dtype,
+        device,
+        model_name,
+        input_grad=input_grad,
+        outputs_held=outputs_held,
+        autocast=autocast,
+    )
+    graph = apply_variants(captured, mode)
+    prof = take_profile(model, graph, profile_batch, device, repeats, progress=progress is not None)
+    baseline = None
+    if graph.variants:
+        reference = take_profile(
+            model, captured, profile_batch, device, repeats, progress=progress is not None
+        )
+        baseline = (captured, reference)
+    if budget_fraction is not None:
+        problem = build_problem(graph, prof)
+        low = min_feasible_budget(problem, depth or DEFAULT_DEPTH, ablation, solver, frees=frees)
+        budget_bytes = int(low + budget_fraction * (problem.store_all_peak_bytes - low))
+    sol = solve(
+        graph,
+        prof,
+        int(budget_bytes),
+        mode=mode,
+        solver=solver,
+        time_limit=time_limit,
+        formulation=formulation,
+        depth=depth,
+        ablation=ablation,
+        frees=frees,
+        verbose=verbose,
+        progress=progress,
+        baseline=baseline,
+    )
+    if baseline is not None and tuple(sol.variants or ()) != graph.variants:
+        graph, prof = schedule_graph(sol, graph, prof, baseline)
+    # The solver's peak is a bound from its memory model; the schedule run on fake
+    # tensors with each op's workspace gives the exact prediction.
+    finalize(graph, sol, prof)
+    if sol.predicted_peak_bytes > sol.budget_bytes:  # the MILP promised otherwise: a bug
+        raise RuntimeError(
+            f"the schedule's simulated peak {sol.predicted_peak_bytes / GIB:.4f} GB exceeds "
+            f"its budget {sol.budget_bytes / GIB:.4f} GB"
+        )
+    if output is not None:
+        sol.save(output)
+    return Compiled(sol, graph, prof)

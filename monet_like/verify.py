@@ -1,0 +1,241 @@
+"""Differential checks of a replayed schedule against eager PyTorch.
+
+One training step of the model run eagerly and one through `ScheduleWrapper`, from the
+same parameters, buffers, input and random seed: their outputs, parameter gradients,
+input gradient and buffers (BatchNorm's running statistics) are compared, and the
+replay's peak is measured. `schedule.py --check_diff`, the tests and
+`scripts/bench_corpus.py` all use these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from monet_like.graph import default_loss
+
+# Where the replay runs other kernels than eager PyTorch (convolution algorithms, the
+# variants' own), the largest difference relative to each gradient's largest magnitude
+# that a check accepts; where it runs the same kernels, it must be bitwise equal.
+VARIANT_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class Comparison:
+    max_abs_output_diff: float
+    max_abs_grad_diff: float
+    max_rel_grad_diff: float
+    max_abs_buffer_diff: float
+    max_abs_input_grad_diff: float | None = None
+    output_scale: float = 1.0  # largest magnitude among eager's outputs
+    buffer_scale: float = 1.0  # and among its floating buffers
+
+    @property
+    def bitwise(self) -> bool:
+        """Everything equal to the last bit."""
+        return (
+            self.max_abs_output_diff == 0
+            and self.max_abs_grad_diff == 0
+            and self.max_abs_buffer_diff == 0
+            and not self.max_abs_input_grad_diff
+        )
+
+    def within(self, tolerance: float) -> bool:
+        """Gradients within `tolerance` of each one's largest magnitude, and outputs within
+        it of theirs (relative), buffers likewise: the check for other kernels."""
+        return self.bitwise or (
+            self.max_rel_grad_diff <= tolerance
+            and self.max_abs_output_diff <= tolerance * max(self.output_scale, 1e-30)
+            and self.max_abs_buffer_diff <= tolerance * max(self.buffer_scale, 1e-30)
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def autocast_context(device_type: str, dtype: str | None):
+    """torch.autocast in `dtype` ("bfloat16"...), or nothing where None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=getattr(torch, dtype))
+
+
+def training_step(
+    net: nn.Module,
+    params_of: nn.Module,
+    x: torch.Tensor,
+    input_grad: bool = False,
+    autocast: str | None = None,
+    seed: int = 1,
+):
+    """One step of the usual loop from fresh gradients (those of `params_of`'s
+    parameters) and random seed `seed`: the flattened outputs and the input's gradient
+    (None without one). The outputs stay referenced until backward ends."""
+    params_of.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    inputs = x.detach().clone().requires_grad_(input_grad)
+    with autocast_context(x.device.type, autocast):
+        out = net(inputs)
+    default_loss(out).backward()
+    return tree_flatten(out)[0], inputs.grad
+
+
+def compare_steps(eager: nn.Module, eager_step, replayed: nn.Module, replay_step) -> Comparison:
+    """The largest differences between two steps (`training_step`'s results) of models
+    whose parameters and buffers are `eager`'s and `replayed`'s."""
+    (outs, in_grad), (replay_outs, replay_in_grad) = eager_step, replay_step
+    out_diff = out_scale = 0.0
+    for a, b in zip(outs, replay_outs, strict=True):
+        if isinstance(a, torch.Tensor):
+            out_diff = max(out_diff, (a.float() - b.float()).abs().max().item())
+            out_scale = max(out_scale, a.float().abs().max().item())
+    grad_abs = grad_rel = 0.0
+    for p, q in zip(eager.parameters(), replayed.parameters(), strict=True):
+        if (p.grad is None) != (q.grad is None):
+            grad_abs = grad_rel = float("inf")
+            continue
+        if p.grad is None:
+            continue
+        d = (p.grad.float() - q.grad.float()).abs().max().item()
+        grad_abs = max(grad_abs, d)
+        grad_rel = max(grad_rel, d / max(p.grad.float().abs().max().item(), 1e-30))
+    buf_diff = buf_scale = 0.0
+    for a, b in zip(eager.buffers(), replayed.buffers(), strict=True):
+        if a.is_floating_point():
+            buf_diff = max(buf_diff, (a.float() - b.float()).abs().max().item(), 0.0)
+            buf_scale = max(buf_scale, a.float().abs().max().item())
+        elif not torch.equal(a, b):
+            buf_diff = float("inf")
+    in_diff = None
+    if in_grad is not None:
+        in_diff = (in_grad.float() - replay_in_grad.float()).abs().max().item()
+    return Comparison(
+        out_diff, grad_abs, grad_rel, buf_diff, in_diff, max(out_scale, 1e-30), buf_scale
+    )
+
+
+def compare_with_eager(
+    model: nn.Module, solution_file, input_shape, x: torch.Tensor, reference=None
+) -> Comparison:
+    """One step of `model` (left untouched) eagerly, or of `reference` (a model with
+    the same parameters running other kernels), against one step replayed through
+    `solution_file`, from copies of the same state."""
+    from monet_like.wrapper import ScheduleWrapper
+
+    replayed = copy.deepcopy(model)
+    wrapped = ScheduleWrapper(replayed, solution_file, input_shape)
+    sol = wrapped.solution
+    eager = copy.deepcopy(reference if reference is not None else model)
+    eager_step = training_step(eager, eager, x, sol.input_grad, sol.autocast)
+    replay_step = training_step(wrapped, replayed, x, sol.input_grad, sol.autocast)
+    return compare_steps(eager, eager_step, replayed, replay_step)
+
+
+def measured_peak(wrapped, x: torch.Tensor) -> int:
+    """Peak bytes of one replayed step of the loop the schedule was solved for (outputs
+    held or not, autocast or not), seen by PyTorch's CPU allocator (kernels' scratch
+    included) or, on CUDA, by the caching allocator's statistics."""
+    from monet_like.memory import measure, measure_allocator, state_tensors
+
+    sol = wrapped.solution
+    model = wrapped.model
+
+    def step() -> None:
+        torch.manual_seed(1)
+        with autocast_context(x.device.type, sol.autocast):
+            out = wrapped(x)
+        if sol.outputs_held:
+            default_loss(out).backward()
+        else:
+            loss = default_loss(out)
+            del out
+            loss.backward()
+
+    model.zero_grad(set_to_none=True)
+    live = [*state_tensors(model), x]
+    if x.device.type == "cuda":
+        peak = measure(step, live, x.device).peak_bytes
+    else:
+        peak = measure_allocator(step, live)
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """One schedule of a differential run: its budget point, solution, comparison with
+    eager PyTorch and measured peak."""
+
+    fraction: float
+    solution: object  # monet_like.solution.Solution
+    comparison: Comparison
+    measured_peak_bytes: int
+    nodes: int
+
+    def exact(self) -> bool:
+        """Bitwise where the replay runs eager's kernels; within VARIANT_TOLERANCE of eager
+        running the same convolution algorithms where it runs variants."""
+        if self.solution.variants:
+            return self.comparison.within(VARIANT_TOLERANCE)
+        return self.comparison.bitwise
+
+    def fits(self) -> bool:
+        sol = self.solution
+        return self.measured_peak_bytes <= sol.predicted_peak_bytes <= sol.budget_bytes
+
+
+def replay_entry(
+    expression: str,
+    input_shape: tuple[int, ...],
+    batch: int,
+    mode: str,
+    folder,
+    fractions=(1.0, 0.5, 0.0),
+    autocast: torch.dtype | None = None,
+    time_limit: float = 120.0,
+) -> list[Replayed]:
+    """Solve `expression` at each fraction of its budget range (0.0 the smallest feasible
+    budget, 1.0 the store-all peak), save the schedules in `folder`, replay each and
+    compare it with eager PyTorch."""
+    from pathlib import Path
+
+    from monet_like.models import make_input, parse_model
+    from monet_like.pipeline import compile_schedule
+    from monet_like.variants.conv import eager_with_algorithms
+    from monet_like.wrapper import ScheduleWrapper
+
+    spec = parse_model(expression)
+    torch.manual_seed(0)
+    model = spec.build()
+    x = make_input(model, input_shape, batch, torch.float32)
+    rows = []
+    for fraction in fractions:
+        path = Path(folder) / f"{spec.name}_{batch}_{mode}_{fraction}.json"
+        compiled = compile_schedule(
+            model,
+            input_shape,
+            batch,
+            budget_fraction=fraction,
+            mode=mode,
+            solver="HIGHS",
+            model_name=expression,
+            time_limit=time_limit,
+            repeats=1,
+            autocast=autocast,
+            output=path,
+        )
+        sol = compiled.solution
+        reference = None
+        if sol.algorithms:  # the replay's exactness: eager running the same kernels
+            reference = eager_with_algorithms(model, compiled.graph, sol.algorithms)
+        diff = compare_with_eager(model, path, input_shape, x, reference)
+        wrapped = ScheduleWrapper(spec.build(), path, input_shape)
+        rows.append(
+            Replayed(fraction, sol, diff, measured_peak(wrapped, x), len(compiled.graph.nodes))
+        )
+    return rows

@@ -1,0 +1,275 @@
+"""What makes a replay exact, each construct on a small model: in-place writes after a
+read, lifted tensor constants, random ops, RNNs, the outputs held by the loop, mixed
+precision; and the validator that refuses a schedule file edited to break any of it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from monet_like.errors import UserError
+from monet_like.graph import capture
+from monet_like.pipeline import compile_schedule
+from monet_like.solution import SolutionFileError, load
+from monet_like.solver.problem import build_problem
+from monet_like.validate import ScheduleError
+from monet_like.verify import compare_with_eager, measured_peak
+from monet_like.wrapper import ScheduleMismatch, ScheduleWrapper
+
+
+class SiluNet(nn.Module):
+    """Convolutions, BatchNorm, in-place SiLU (autograd clones its input before the
+    write) and a squeeze-excite gate: EfficientNet's constructs, small."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(8 if i else 3, 8, 3, padding=1) for i in range(4))
+        self.bns = nn.ModuleList(nn.BatchNorm2d(8) for _ in range(4))
+        self.act = nn.SiLU(inplace=True)
+        self.gate = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        for conv, bn in zip(self.convs, self.bns, strict=True):
+            x = self.act(bn(conv(x)))
+            x = x * torch.sigmoid(self.gate(x.mean((2, 3))))[:, :, None, None]
+        return self.head(x.mean((2, 3)))
+
+
+class ConstantNet(nn.Module):
+    """Tensors made in forward from Python values: the trace lifts them onto the module
+    as `_tensor_constant*` attributes (a Hugging Face GPT-2 crashed on one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x)) * torch.tensor([1.0 + i]) + torch.tensor(0.5)
+        return x
+
+
+class RecurrentNet(nn.Module):
+    def __init__(self, cell: type[nn.Module]) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 16, 3, padding=1)
+        self.rnn = cell(16, 24, num_layers=2, batch_first=True, dropout=0.1)
+        self.head = nn.Linear(24, 5)
+
+    def forward(self, x):
+        y, _ = self.rnn(torch.relu(self.conv(x)).transpose(1, 2))
+        return self.head(y)
+
+
+class DropoutNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.c(self.drop(torch.relu(self.b(self.drop(torch.relu(self.a(x)))))))
+
+
+def solved(model, shape, batch, fraction, path, **options):
+    torch.manual_seed(0)
+    compiled = compile_schedule(
+        model, shape, batch, budget_fraction=fraction, solver="HIGHS", repeats=1,
+        time_limit=60, output=path, **options,
+    )  # fmt: skip
+    return compiled
+
+
+def assert_exact(model, path, shape, batch, x=None):
+    x = torch.randn(batch, *shape) if x is None else x
+    diff = compare_with_eager(model, path, shape, x)
+    assert diff.bitwise, diff
+    wrapped = ScheduleWrapper(model, path, shape)
+    sol = wrapped.solution
+    assert measured_peak(wrapped, x) <= sol.predicted_peak_bytes <= sol.budget_bytes
+
+
+def test_a_value_written_in_place_after_a_read_is_recomputed_with_its_writer(tmp_path):
+    torch.manual_seed(0)
+    model = SiluNet()
+    graph = capture(model, (3, 16, 16), 4)
+    clones = [n for n in graph.nodes if n.kind == "clone"]
+    assert clones  # autograd's copy of each SiLU's input, read before silu_ writes it
+    problem = build_problem(graph, _profile(model, graph))
+    for clone in clones:
+        unit = next(u for u in problem.units if clone.id in u.nodes)
+        assert any(graph.nodes[n].kind == "silu_" for n in unit.nodes), unit
+    compiled = solved(model, (3, 16, 16), 4, 0.0, tmp_path / "s.json")
+    assert sum(len(s["recompute"]) for s in compiled.solution.stages) > 0
+    assert_exact(model, tmp_path / "s.json", (3, 16, 16), 4)
+
+
+def test_recomputing_the_clone_alone_is_refused(tmp_path):
+    """The old units (the clone apart from the BatchNorm and SiLU it reads from), with
+    the clone recomputed on its own: it would read the SiLU's output."""
+    torch.manual_seed(0)
+    model = SiluNet()
+    path = tmp_path / "s.json"
+    compiled = solved(model, (3, 16, 16), 4, 1.0, path)
+    graph = compiled.graph
+    data = json.loads(path.read_text())
+    clone = next(n.id for n in graph.nodes if n.kind == "clone")
+    owner = next(k for k, nodes in enumerate(data["units"]) if clone in nodes)
+    data["units"][owner].remove(clone)
+    data["units"].append([clone])
+    data["keep"].append(False)
+    stage = next(t for t, s in enumerate(data["stages"]) if s["unit"] == owner)
+    data["stages"][stage]["recompute"].append(len(data["units"]) - 1)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ScheduleError, match="in-place writes") as info:
+        ScheduleWrapper(model, path, (3, 16, 16))
+    assert "\n" not in str(info.value)
+
+
+def test_lifted_tensor_constants_are_read_not_recomputed(tmp_path):
+    torch.manual_seed(0)
+    model = ConstantNet()
+    graph = capture(model, (32,), 16)
+    assert any(n.op == "get_attr" for n in graph.fx.graph.nodes)
+    solved(model, (32,), 16, 0.0, tmp_path / "c.json")
+    assert_exact(model, tmp_path / "c.json", (32,), 16)
+
+
+@pytest.mark.parametrize("cell", [nn.GRU, nn.LSTM])
+def test_recurrent_layers_replay_exactly_within_their_prediction(cell, tmp_path):
+    torch.manual_seed(0)
+    model = RecurrentNet(cell)
+    solved(model, (4, 12), 4, 0.5, tmp_path / "r.json")
+    assert_exact(model, tmp_path / "r.json", (4, 12), 4)
+
+
+def test_outputs_held_by_the_loop_are_in_the_budget(tmp_path):
+    """A masked language model's logits are the largest tensor of its step: held by
+    `out = model(x); loss(out).backward()` until the backward pass ends."""
+    from monet_like.models import make_input, parse_model
+    from monet_like.models.corpus import BY_NAME
+
+    entry = BY_NAME["bert"]
+    torch.manual_seed(0)
+    model = parse_model(entry.expression).build()
+    x = make_input(model, entry.input_shape, entry.batch, torch.float32)
+    held = solved(model, entry.input_shape, entry.batch, 0.0, tmp_path / "held.json")
+    freed = solved(
+        model, entry.input_shape, entry.batch, 0.0, tmp_path / "freed.json", outputs_held=False
+    )
+    logits = held.graph.storages[held.graph.output_storages[0]].nbytes
+    assert held.solution.outputs_held and not freed.solution.outputs_held
+    assert held.solution.budget_bytes >= freed.solution.budget_bytes + logits // 2
+    for path in (tmp_path / "held.json", tmp_path / "freed.json"):
+        wrapped = ScheduleWrapper(parse_model(entry.expression).build(), path, entry.input_shape)
+        sol = wrapped.solution
+        assert measured_peak(wrapped, x) <= sol.predicted_peak_bytes <= sol.budget_bytes
+        assert compare_with_eager(model, path, entry.input_shape, x).bitwise
+
+
+def test_a_random_op_is_never_recomputed(tmp_path):
+    torch.manual_seed(0)
+    model = DropoutNet()
+    path = tmp_path / "d.json"
+    compiled = solved(model, (32,), 32, 0.0, path)
+    assert_exact(model, path, (32,), 32)
+    graph = compiled.graph
+    problem = build_problem(graph, compiled.profile)
+    random_units = [u.id for u in problem.units if u.random]
+    assert random_units and not any(
+        u in s["recompute"] for s in compiled.solution.stages for u in random_units
+    )
+    data = json.loads(path.read_text())
+    data["stages"][-1]["recompute"].append(random_units[0])  # the edit of the issue
+    path.write_text(json.dumps(data))
+    with pytest.raises(ScheduleError, match="random op"):
+        ScheduleWrapper(model, path, (32,))
+
+
+def test_autocast_mismatch_is_refused_both_ways(tmp_path):
+    torch.manual_seed(0)
+    model = SiluNet()
+    x = torch.randn(4, 3, 16, 16)
+    plain = tmp_path / "plain.json"
+    mixed = tmp_path / "mixed.json"
+    solved(model, (3, 16, 16), 4, 1.0, plain)
+    solved(model, (3, 16, 16), 4, 1.0, mixed, autocast=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ScheduleMismatch):
+        ScheduleWrapper(model, plain, (3, 16, 16))(x)
+    with pytest.raises(ScheduleMismatch, match="without autocast"):
+        ScheduleWrapper(model, mixed, (3, 16, 16))(x)
+
+
+def test_another_dtype_is_refused(tmp_path):
+    torch.manual_seed(0)
+    model = ConstantNet()
+    path = tmp_path / "c.json"
+    solved(model, (32,), 16, 1.0, path)
+    with pytest.raises(ScheduleMismatch, match="float32"):
+        ScheduleWrapper(ConstantNet().double(), path, (32,))
+
+
+def _profile(model, graph):
+    from monet_like.profile import profile
+
+    return profile(model, graph, repeats=1, progress=False)
+
+
+# -- random edits of a schedule's decisions -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dropout_schedule(tmp_path_factory):
+    torch.manual_seed(0)
+    model = SiluNet()
+    path = tmp_path_factory.mktemp("edits") / "s.json"
+    solved(model, (3, 16, 16), 4, 0.3, path)
+    return model, path, json.loads(path.read_text())
+
+
+_EDITS = ("flip_keep", "add_recompute", "drop_recompute", "move_node", "swap_stage_ops")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(edits=st.lists(st.tuples(st.sampled_from(_EDITS), st.integers(0, 10**6)), min_size=1))
+def test_edited_decisions_are_refused_or_replay_exactly_within_budget(
+    dropout_schedule, edits, tmp_path_factory
+):
+    model, _, original = dropout_schedule
+    data = json.loads(json.dumps(original))
+    n_units, n_stages = len(data["units"]), len(data["stages"])
+    for edit, k in edits:
+        stage = data["stages"][k % n_stages]
+        if edit == "flip_keep":
+            data["keep"][k % n_units] = not data["keep"][k % n_units]
+        elif edit == "add_recompute":
+            stage["recompute"] = sorted(set(stage["recompute"]) | {k % n_units})
+        elif edit == "drop_recompute" and stage["recompute"]:
+            stage["recompute"].pop(k % len(stage["recompute"]))
+        elif edit == "move_node":
+            src = data["units"][k % n_units]
+            if src:
+                node = src.pop(k % len(src))
+                data["units"][(k // 7) % n_units].append(node)
+        elif edit == "swap_stage_ops" and len(stage["ops"]) > 1:
+            i = k % (len(stage["ops"]) - 1)
+            stage["ops"][i], stage["ops"][i + 1] = stage["ops"][i + 1], stage["ops"][i]
+    path = tmp_path_factory.mktemp("edit") / "e.json"
+    path.write_text(json.dumps(data))
+    try:
+        wrapped = ScheduleWrapper(model, path, (3, 16, 16))
+    except (ScheduleError, SolutionFileError) as exc:
+        assert "\n" not in str(exc)
+        return
+    except UserError as exc:  # any other refusal is one line too
+        assert "\n" not in str(exc)
+        return
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    assert compare_with_eager(model, path, (3, 16, 16), x).bitwise
+    assert measured_peak(wrapped, x) <= load(path).budget_bytes
