@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import signal
 import sys
 import time
 
@@ -96,9 +98,16 @@ def _setup(args):
         if shape is None:
             raise UserError(f"{args.model}: give the per-sample input shape with --input_shape")
     dtype = parse_dtype(args.dtype)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, ValueError):
+        raise UserError(f"unknown device {args.device!r}: use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"device {args.device!r} is not supported: use cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA device is available")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: this machine has {torch.cuda.device_count()} GPUs")
     return spec, shape, dtype, device
 
 
@@ -255,92 +264,148 @@ def build_solve_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--profile_batch", type=positive_int, help="batch to time at (scaled up)")
+    p.add_argument(
+        "--autocast",
+        default=None,
+        help="the training loop runs the forward pass under torch.autocast in this dtype"
+        " (bfloat16 or float16)",
+    )
     p.add_argument("--output", help="solution file (default: OUTPUT_DIR/solution_...json)")
     p.add_argument("--output_dir", default="solutions", help="folder for the default file name")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a file at the output that is not a schedule of this configuration",
+    )
     p.add_argument("--verbose", action="store_true", help="show the solver's log")
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
     return p
 
 
-def default_solution_name(spec_name: str, batch: int, mode: str, budget_gb: float) -> str:
-    return f"solution_{spec_name}_{batch}_{mode}_{budget_gb:g}.json"
+def default_solution_name(spec, batch: int, mode: str, budget_gb: float, **config) -> str:
+    """MONeT's file name, `solution_<model>_<batch>_<mode>_<budget>.json`, with what else
+    makes a schedule different appended where it is not the default: a short hash of the
+    model's arguments, the input shape, the dtype, and the options in `config` (name ->
+    value; a value that is False, None or the default is left out)."""
+    import hashlib
+
+    parts = [spec.name, str(batch), mode, f"{budget_gb:g}"]
+    if spec.args or spec.kwargs:
+        parts.append(hashlib.sha256(repr((spec.args, spec.kwargs)).encode()).hexdigest()[:8])
+    shape = config.pop("input_shape", None)
+    if shape is not None and tuple(shape) != spec.default_input_shape():
+        parts.append("x".join(str(d) for d in shape))
+    dtype = config.pop("dtype", "float32")
+    if dtype != "float32":
+        parts.append(dtype)
+    for name, value in config.items():
+        if value is True:
+            parts.append(name)
+        elif value not in (None, False):
+            parts.append(f"{name}{value}")
+    return "solution_" + "_".join(parts) + ".json"
+
+
+_MAX_BUDGET_GB = 2.0**20  # a PiB: beyond any machine, so a typo rather than a budget
+
+
+def _naming(args) -> dict:
+    """The options that make a schedule different, for its default file name."""
+    return dict(
+        input_shape=getattr(args, "shape", None),
+        dtype=str(args.torch_dtype).removeprefix("torch."),
+        full=args.formulation == "full" if hasattr(args, "formulation") else False,
+        depth=getattr(args, "depth", None),
+        frees=getattr(args, "frees", False),
+        ablation=getattr(args, "ablation", False),
+        inputgrad=getattr(args, "input_grad", False),
+        outputsfreed=getattr(args, "outputs_freed", False),
+        autocast=getattr(args, "autocast", None),
+    )
+
+
+def _check_solve_args(args):
+    """Every argument checked before any work starts: one line and exit 2 otherwise."""
+    from monet_like.files import writable_folder
+    from monet_like.solver import SOLVERS, parse_mode
+
+    if not math.isfinite(args.budget_gb) or args.budget_gb <= 0:
+        raise UserError(f"the budget must be a positive number of GB, got {args.budget_gb:g}")
+    if args.budget_gb > _MAX_BUDGET_GB:
+        raise UserError(f"a budget of {args.budget_gb:g} GB is beyond any machine: a typo?")
+    if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise UserError(f"--time_limit must be a positive number of seconds, got {args.time_limit}")
+    parse_mode(args.mode)
+    if args.solver.upper() not in SOLVERS:
+        raise UserError(f"unknown solver {args.solver!r}: choose one of {', '.join(SOLVERS)}")
+    if args.autocast is not None and args.autocast not in ("bfloat16", "float16"):
+        raise UserError(f"--autocast takes bfloat16 or float16, not {args.autocast!r}")
+    spec, shape, dtype, device = _setup(args)
+    args.shape, args.torch_dtype = shape, dtype
+    out = args.output or os.path.join(
+        args.output_dir,
+        default_solution_name(spec, args.batch, args.mode, args.budget_gb, **_naming(args)),
+    )
+    why = writable_folder(out)
+    if why:
+        raise UserError(why)
+    if os.path.exists(out) and not args.force and not _same_configuration(out, spec, args):
+        raise UserError(
+            f"{out} exists and is not a schedule of this configuration: pass --force to"
+            " replace it, or --output another file"
+        )
+    return spec, shape, dtype, device, out
+
+
+def _same_configuration(path: str, spec, args) -> bool:
+    """Whether `path` holds a schedule solved for the same model, batch, shape, dtype,
+    mode and budget (replacing it with a new solve loses nothing)."""
+    from monet_like.solution import SolutionFileError, load
+
+    try:
+        sol = load(path)
+    except SolutionFileError:
+        return False
+    return (
+        sol.model == spec.expression
+        and sol.batch == args.batch
+        and tuple(sol.input_shape) == tuple(args.shape)
+        and sol.dtype == str(args.torch_dtype).removeprefix("torch.")
+        and sol.mode == args.mode
+        and sol.budget_bytes == int(args.budget_gb * GIB)
+    )
 
 
 def cmd_solve(args) -> dict:
-    from monet_like.graph import capture
-    from monet_like.profile import profile
-    from monet_like.solver import SOLVERS, parse_mode, schedule_graph, solve
-    from monet_like.variants import apply as apply_variants
+    from monet_like.pipeline import compile_schedule
 
-    if args.budget_gb <= 0:
-        raise UserError(f"the budget must be positive, got {args.budget_gb:g} GB")
-    parse_mode(args.mode)  # fail before any capture or profiling
-    if args.solver.upper() not in SOLVERS:
-        raise UserError(f"unknown solver {args.solver!r}: choose one of {', '.join(SOLVERS)}")
-    spec, shape, dtype, device = _setup(args)
+    spec, shape, dtype, device, out = _check_solve_args(args)
     model = spec.build("cpu").to(device)
-    captured = capture(
+    budget = int(args.budget_gb * GIB)
+    compiled = compile_schedule(
         model,
         shape,
         args.batch,
-        dtype,
-        device,
-        spec.expression,
-        input_grad=args.input_grad,
-        outputs_held=not args.outputs_freed,
-    )
-    graph = apply_variants(captured, args.mode)
-    print(f"{graph.summary()}", flush=True)
-    if graph.sites:
-        print(f"  {_sites(graph)}", flush=True)
-    prof = profile(model, graph, profile_batch=args.profile_batch, device=device)
-    # The solver weighs each variant's ops against the aten ops they replaced, timed in
-    # the captured graph, and keeps the captured graph itself where that is faster.
-    baseline = None
-    if graph.variants:
-        reference = profile(model, captured, profile_batch=args.profile_batch, device=device)
-        baseline = (captured, reference)
-    budget = int(args.budget_gb * GIB)
-    print(
-        f"solving: budget {args.budget_gb:g} GB, mode {args.mode}, {args.solver.upper()},"
-        f" {args.formulation} formulation"
-        + (" with frees" if args.frees and args.formulation == "compact" else "")
-        + (f", time limit {args.time_limit:g} s" if args.time_limit else ""),
-        flush=True,
-    )
-    sol = solve(
-        graph,
-        prof,
         budget,
-        mode=args.mode,
-        solver=args.solver,
+        args.mode,
+        args.solver,
+        dtype=dtype,
+        device=device,
+        model_name=spec.expression,
         time_limit=args.time_limit,
         formulation=args.formulation,
         depth=args.depth,
-        ablation=args.ablation,
         frees=args.frees,
+        ablation=args.ablation,
+        input_grad=args.input_grad,
+        outputs_held=not args.outputs_freed,
+        autocast=None if args.autocast is None else getattr(torch, args.autocast),
+        profile_batch=args.profile_batch,
+        output=out,
+        progress=lambda line: print(line, flush=True),
         verbose=args.verbose,
-        progress=lambda line: print(f"  {line}", flush=True),
-        baseline=baseline,
     )
-    # The solver's peak is a bound from its memory model; the schedule itself, run on
-    # fake tensors with each op's workspace, gives the exact prediction.
-    from monet_like.schedule import finalize
-
-    if baseline is not None and tuple(sol.variants) != graph.variants:
-        graph, prof = schedule_graph(sol, graph, prof, baseline)
-        print(
-            "  the captured graph's own schedule is faster: no variant is used"
-            if not sol.variants
-            else "  the schedule with only the convolution algorithms is faster: the mode's"
-            " other variants are not used",
-            flush=True,
-        )
-    finalize(graph, sol, prof)
-    out = args.output or os.path.join(
-        args.output_dir, default_solution_name(spec.name, args.batch, args.mode, args.budget_gb)
-    )
-    sol.save(out)
+    sol = compiled.solution
     if sol.gap is None:
         gap = "unknown (stopped before the solver's tolerance; it reports no bound)"
     elif sol.bound_s is None and sol.status == "optimal" and sol.gap > 0:
@@ -361,34 +426,13 @@ def cmd_solve(args) -> dict:
         f" {sol.store_all_time_s:.3f} s: overhead {sol.overhead:+.2%}\n"
         f"  gap {gap}; solve time {sol.solve_time_s:.1f} s; {_first(sol)}\n"
         f"  {_size(sol.stats)}\n"
-        f"  solution written to {out}"
+        f"  solution written to {out}\n"
+        "  check: predicted peak <= budget: ok (the schedule simulated on fake tensors,"
+        " workspace included)"
     )
-    fits = sol.predicted_peak_bytes <= budget
-    print(
-        f"  check: predicted peak {'<=' if fits else '>'} budget: {'ok' if fits else 'FAILED'}"
-        " (the schedule simulated on fake tensors, workspace included)"
-    )
-    if not fits:  # the MILP promised otherwise: a bug, never a silent result
-        raise RuntimeError("the solution's predicted peak exceeds the budget")
     report = sol.summary()
-    report.update(
-        solution_file=out,
-        predicted_time_s=sol.predicted_time_s,
-        overhead=sol.overhead,
-    )
+    report.update(solution_file=out, predicted_time_s=sol.predicted_time_s, overhead=sol.overhead)
     return report
-
-
-def _sites(graph) -> str:
-    """The variants rewritten into `graph`, counted, e.g. 'relu_mask x17 (the solver's
-    choice), max_pool2d_compact x1'."""
-    from collections import Counter
-
-    counts = Counter((s["variant"], s["choosable"]) for s in graph.sites)
-    return "variants: " + ", ".join(
-        f"{name} x{n}" + (" (the solver's choice)" if free else "")
-        for (name, free), n in sorted(counts.items())
-    )
 
 
 def _algorithms(chosen: dict[str, list[int]]) -> str:
@@ -447,39 +491,8 @@ def build_check_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _step(net, params_of: torch.nn.Module, x, input_grad: bool):
-    """One training step of `net` from fresh gradients (on `params_of`'s parameters)
-    and seed 1: its flattened outputs and the input's gradient (None without one)."""
-    from torch.utils._pytree import tree_flatten
-
-    from monet_like.graph import default_loss
-
-    params_of.zero_grad(set_to_none=True)
-    torch.manual_seed(1)
-    inputs = x.detach().clone().requires_grad_(input_grad)
-    out = net(inputs)
-    default_loss(out).backward()
-    return tree_flatten(out)[0], inputs.grad
-
-
-def _differences(eager, eager_step, replayed, replay_step) -> dict[str, float]:
-    """The largest differences between two steps (`_step`'s results) of models whose
-    parameters are `eager`'s and `replayed`'s: outputs, parameter gradients (absolute,
-    and relative to each gradient's largest magnitude), the input's gradient if any."""
-    (outs, in_grad), (replay_outs, replay_in_grad) = eager_step, replay_step
-    diffs = {"max_abs_output_diff": 0.0, "max_abs_grad_diff": 0.0, "max_rel_grad_diff": 0.0}
-    for a, b in zip(outs, replay_outs, strict=True):
-        diffs["max_abs_output_diff"] = max(diffs["max_abs_output_diff"], (a - b).abs().max().item())
-    if in_grad is not None:
-        diffs["max_abs_input_grad_diff"] = (in_grad - replay_in_grad).abs().max().item()
-    for p, q in zip(eager.parameters(), replayed.parameters(), strict=True):
-        if p.grad is None or q.grad is None:
-            continue
-        d = (p.grad - q.grad).abs().max().item()
-        diffs["max_abs_grad_diff"] = max(diffs["max_abs_grad_diff"], d)
-        rel = d / max(p.grad.abs().max().item(), 1e-30)
-        diffs["max_rel_grad_diff"] = max(diffs["max_rel_grad_diff"], rel)
-    return diffs
+class CheckFailed(Exception):
+    """schedule.py's check found the peak over budget or the gradients off: exit 1."""
 
 
 def cmd_check(args) -> dict:
@@ -487,22 +500,26 @@ def cmd_check(args) -> dict:
     import statistics
 
     from monet_like.graph import default_loss
-    from monet_like.memory import measure_training_step
     from monet_like.models import make_input
-    from monet_like.solution import SolutionFileError
     from monet_like.variants.conv import eager_with_algorithms
+    from monet_like.verify import (
+        VARIANT_TOLERANCE,
+        autocast_context,
+        compare_steps,
+        measured_peak,
+        training_step,
+    )
     from monet_like.wrapper import ScheduleWrapper
 
     spec, shape, dtype, device = _setup(args)
+    args.shape, args.torch_dtype = shape, dtype
     path = args.solution_file or os.path.join(
-        "solutions", default_solution_name(spec.name, args.batch, args.mode, args.budget_gb)
+        "solutions",
+        default_solution_name(spec, args.batch, args.mode, args.budget_gb, **_naming(args)),
     )
     torch.manual_seed(0)
     model = spec.build("cpu").to(device=device, dtype=dtype)
-    try:
-        wrapped = ScheduleWrapper(model, path, shape)
-    except SolutionFileError as exc:
-        raise UserError(str(exc)) from None
+    wrapped = ScheduleWrapper(model, path, shape)  # refuses a file that does not fit
     sol = wrapped.solution
     if sol.batch != args.batch:
         raise UserError(f"{path} was solved for batch {sol.batch}, not {args.batch}")
@@ -513,18 +530,21 @@ def cmd_check(args) -> dict:
     }
     print(f"{spec.expression} batch {args.batch}: schedule {path} ({sol.status}, {sol.mode})")
     x = make_input(model, shape, args.batch, dtype, device).requires_grad_(sol.input_grad)
+    failures = []
     if args.run_bs or not (args.check_runtime or args.check_diff):
         t0 = time.perf_counter()
-        measured = measure_training_step(wrapped, x, hold_outputs=sol.outputs_held)
+        peak = measured_peak(wrapped, x)
         seconds = time.perf_counter() - t0
-        report.update(measured_peak_bytes=measured.peak_bytes, step_time_s=seconds)
-        ok = measured.peak_bytes <= sol.budget_bytes
+        report.update(measured_peak_bytes=peak, step_time_s=seconds)
+        ok = peak <= sol.budget_bytes
+        how = "CPU allocator" if device.type == "cpu" else "CUDA allocator"
         print(
-            f"  one step: measured peak {measured.peak_bytes / GIB:.4f} GB ({measured.method}),"
-            f" predicted {sol.predicted_peak_bytes / GIB:.4f} GB, budget"
-            f" {sol.budget_bytes / GIB:.4f} GB: {'within budget' if ok else 'OVER BUDGET'};"
-            f" {seconds:.2f} s (with measurement)"
+            f"  one step: measured peak {peak / GIB:.4f} GB ({how}), predicted"
+            f" {sol.predicted_peak_bytes / GIB:.4f} GB, budget {sol.budget_bytes / GIB:.4f}"
+            f" GB: {'within budget' if ok else 'OVER BUDGET'}; {seconds:.2f} s (measured)"
         )
+        if not ok:
+            failures.append("the measured peak exceeds the budget")
     if args.check_diff:
         replayed = copy.deepcopy(model)
         wrapped_copy = ScheduleWrapper(replayed, path, shape)
@@ -536,28 +556,39 @@ def cmd_check(args) -> dict:
             same = eager_with_algorithms(model, wrapped.graph, sol.algorithms)
             label = "eager PyTorch with the same convolution algorithms"
             references.append((label, "_same_kernels", same))
-        replay_step = _step(wrapped_copy, replayed, x, sol.input_grad)  # once for both
+        replay_step = training_step(wrapped_copy, replayed, x, sol.input_grad, sol.autocast)
         for label, suffix, eager in references:
-            eager_step = _step(eager, eager, x, sol.input_grad)
-            diffs = _differences(eager, eager_step, replayed, replay_step)
-            report.update({f"{key}{suffix}": value for key, value in diffs.items()})
-            if "max_abs_input_grad_diff" in diffs:
+            eager_step = training_step(eager, eager, x, sol.input_grad, sol.autocast)
+            diff = compare_steps(eager, eager_step, replayed, replay_step)
+            report.update({f"{key}{suffix}": value for key, value in diff.as_dict().items()})
+            if diff.max_abs_input_grad_diff is not None:
                 print(
                     f"  input gradient vs {label}: largest difference"
-                    f" {diffs['max_abs_input_grad_diff']:.3g}"
+                    f" {diff.max_abs_input_grad_diff:.3g}"
                 )
             print(
-                f"  vs {label}: largest output difference {diffs['max_abs_output_diff']:.3g},"
-                f" gradient {diffs['max_abs_grad_diff']:.3g} absolute,"
-                f" {diffs['max_rel_grad_diff']:.3g} relative"
+                f"  vs {label}: largest output difference {diff.max_abs_output_diff:.3g},"
+                f" gradient {diff.max_abs_grad_diff:.3g} absolute,"
+                f" {diff.max_rel_grad_diff:.3g} relative, buffers {diff.max_abs_buffer_diff:.3g}"
             )
+        # The verdict, against the reference running the replay's kernels: bitwise where
+        # those are eager's own, within VARIANT_TOLERANCE where variants run.
+        exact = diff.bitwise if not sol.variants else diff.within(VARIANT_TOLERANCE)
+        rule = "bitwise" if not sol.variants else f"within {VARIANT_TOLERANCE:g} relative"
+        print(f"  check: equal to {label} ({rule}): {'ok' if exact else 'FAILED'}")
+        report["exact"] = exact
+        if not exact:
+            failures.append(f"the replay differs from {label} beyond {rule}")
     if args.check_runtime:
         times: dict[str, list[float]] = {"eager": [], "schedule": []}
         for _ in range(args.iterations + 1):  # interleaved; the first pair warms up
             for name, net in (("eager", model), ("schedule", wrapped)):
                 model.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
-                default_loss(net(x)).backward()
+                with autocast_context(device.type, sol.autocast):
+                    out = net(x)
+                default_loss(out).backward()
+                del out
                 times[name].append(time.perf_counter() - t0)
         eager_s = statistics.median(times["eager"][1:])
         sched_s = statistics.median(times["schedule"][1:])
@@ -566,6 +597,9 @@ def cmd_check(args) -> dict:
             f"  step time: schedule {sched_s:.3f} s, eager {eager_s:.3f} s, ratio"
             f" {sched_s / eager_s:.3f} (median of {args.iterations}, interleaved)"
         )
+    if failures:
+        args.failed_report = report
+        raise CheckFailed("; ".join(failures))
     return report
 
 
@@ -579,11 +613,21 @@ def main(argv: list[str] | None = None) -> int:
     return _run("monet_like", args, {"profile": cmd_profile, "memory": cmd_memory}[args.command])
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, taken like Ctrl-C: every `finally` runs (the solver's racing processes
+    are stopped, no file is left half written)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def _run(prog: str, args, command) -> int:
-    """Run a command: one line on stderr and exit 2 for the user's errors, the JSON
-    report as the last line of stdout with --json."""
+    """Run a command: one line on stderr and exit 2 for the user's errors, 1 for a check
+    that failed, the JSON report as the last line of stdout with --json."""
     from monet_like.solver import InfeasibleBudget
 
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         report = command(args)
     except InfeasibleBudget as exc:
@@ -602,9 +646,19 @@ def _run(prog: str, args, command) -> int:
     except UserError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    except CheckFailed as exc:
+        print(f"{prog}: check failed: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps(getattr(args, "failed_report", {})))
+        return 1
+    except Terminated:
+        print(f"{prog}: terminated; nothing written", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; nothing written", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.json:
         print(json.dumps(report))
     return 0

@@ -16,6 +16,7 @@ bytes, its consumers, its parameters and the forward storages its backward reads
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -304,7 +305,7 @@ def _trace(
 
     handles = _record_module_paths(model)
     try:
-        with fx_traceback.preserve_node_meta():
+        with fx_traceback.preserve_node_meta(), _native_rnn_kernels():
             gm = make_fx(step, tracing_mode="fake")(fake_params, fake_buffers, example, tangents)
     finally:
         for h in handles:
@@ -367,6 +368,21 @@ def _in_layout_of(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tenso
     if not _obeys_layout(param, param):  # not dense: AccumulateGrad wants it contiguous
         return grad.contiguous()
     return torch.empty_strided(param.shape, param.stride(), dtype=grad.dtype).copy_(grad)
+
+
+@contextlib.contextmanager
+def _native_rnn_kernels():
+    """Trace LSTMs and GRUs as PyTorch's native kernels compose them (matmuls and
+    pointwise ops), not as oneDNN's fused RNN layer: that one returns the workspace its
+    backward needs only when autograd records (never inside a replay) and its fake
+    kernel gives that workspace 0 bytes. Only the RNNs' traced form changes: the
+    captured graphs of every other op are the same either way."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def _tag_backward_ops(outputs: list[torch.Tensor]) -> None:

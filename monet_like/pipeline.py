@@ -22,6 +22,18 @@ from monet_like.errors import UserError
 from monet_like.units import GIB
 
 
+def describe_sites(graph) -> str:
+    """The variants rewritten into `graph`, counted, e.g. 'relu_mask x17 (the solver's
+    choice), max_pool2d_compact x1'."""
+    from collections import Counter
+
+    counts = Counter((s["variant"], s["choosable"]) for s in graph.sites)
+    return "variants: " + ", ".join(
+        f"{name} x{n}" + (" (the solver's choice)" if free else "")
+        for (name, free), n in sorted(counts.items())
+    )
+
+
 @dataclass
 class Compiled:
     """What `compile_schedule` made: the solution (saved where asked), the graph it runs
@@ -111,17 +123,29 @@ def compile_schedule(
         autocast=autocast,
     )
     graph = apply_variants(captured, mode)
-    prof = take_profile(model, graph, profile_batch, device, repeats, progress=progress is not None)
+    if progress is not None:
+        progress(graph.summary())
+        if graph.sites:
+            progress(f"  {describe_sites(graph)}")
+    bars = None if progress is not None else False  # progress bars where a line goes
+    prof = take_profile(model, graph, profile_batch, device, repeats, progress=bars)
     baseline = None
     if graph.variants:
-        reference = take_profile(
-            model, captured, profile_batch, device, repeats, progress=progress is not None
-        )
+        # The solver weighs each variant's ops against the aten ops they replaced, timed
+        # in the captured graph, and keeps the captured graph itself where that is faster.
+        reference = take_profile(model, captured, profile_batch, device, repeats, progress=bars)
         baseline = (captured, reference)
     if budget_fraction is not None:
         problem = build_problem(graph, prof)
         low = min_feasible_budget(problem, depth or DEFAULT_DEPTH, ablation, solver, frees=frees)
         budget_bytes = int(low + budget_fraction * (problem.store_all_peak_bytes - low))
+    if progress is not None:
+        progress(
+            f"solving: budget {budget_bytes / GIB:g} GB, mode {mode}, {solver.upper()},"
+            f" {formulation} formulation"
+            + (" with frees" if frees and formulation == "compact" else "")
+            + (f", time limit {time_limit:g} s" if time_limit else "")
+        )
     sol = solve(
         graph,
         prof,
@@ -134,11 +158,18 @@ def compile_schedule(
         ablation=ablation,
         frees=frees,
         verbose=verbose,
-        progress=progress,
+        progress=None if progress is None else (lambda line: progress(f"  {line}")),
         baseline=baseline,
     )
     if baseline is not None and tuple(sol.variants or ()) != graph.variants:
         graph, prof = schedule_graph(sol, graph, prof, baseline)
+        if progress is not None:
+            progress(
+                "  the captured graph's own schedule is faster: no variant is used"
+                if not sol.variants
+                else "  the schedule with only the convolution algorithms is faster: the"
+                " mode's other variants are not used"
+            )
     # The solver's peak is a bound from its memory model; the schedule run on fake
     # tensors with each op's workspace gives the exact prediction.
     finalize(graph, sol, prof)

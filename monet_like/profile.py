@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from monet_like.errors import UserError
+from monet_like.files import atomic_write
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocation_peak, record_allocations, store_all_peak
 
@@ -817,11 +818,8 @@ def profile(
         algorithms=algorithms,
     )
     result = _with_op_times(result, graph, op_times)
-    if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(result.to_json())
-        tmp.replace(path)  # atomic: a crash never leaves half a profile behind
+    if use_cache:  # a unique temporary file renamed over it: never half a profile
+        atomic_write(path, result.to_json())
     return result
 
 

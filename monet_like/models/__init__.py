@@ -221,8 +221,28 @@ def parse_model(expression: str) -> ModelSpec:
             f"unknown model {path!r}: use torchvision.models.NAME(...), timm.NAME(...), "
             "transformers.ARCH(...), unet, gpt, or package.module:factory"
         )
+    _refuse_downloads(spec)
     spec.constructor()  # fail now, with a clear message, if it does not resolve
     return spec
+
+
+# Keywords with which torchvision and timm constructors fetch pretrained weights.
+_WEIGHT_KEYWORDS = ("weights", "weights_backbone", "pretrained", "pretrained_backbone")
+
+
+def _refuse_downloads(spec: ModelSpec) -> None:
+    """monet_like builds models with random weights and never downloads: a keyword that
+    would fetch weights is refused before anything runs."""
+    if spec.family not in ("torchvision", "timm"):
+        return
+    for name, value in spec.kwargs:
+        if name in _WEIGHT_KEYWORDS and value not in (None, False):
+            raise UserError(
+                f"{spec.expression}: {name}={value!r} would download pretrained weights, which"
+                f" monet_like never does; build it with {name}="
+                f"{'None' if name.startswith('weights') else 'False'} (a schedule does not"
+                " depend on the weights' values) and load your checkpoint into the model"
+            )
 
 
 def parse_input_shape(text: str) -> tuple[int, ...]:

@@ -77,6 +77,9 @@ class _Racer:
 
 def _race(run: Callable[[int, Any], Any], seed: int, send) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only a solve in progress stops at one
+    # The parent stops a racer with SIGTERM; a Python handler inherited from it would
+    # wait for the solver's C code to return: die at once instead.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         send.send(run(seed, None))
     finally:
