@@ -83,7 +83,7 @@ def compile_schedule(
         solver: "HIGHS", "CBC", "PULP" or "GUROBI".
         budget_fraction: instead of `budget_bytes`, a point between the smallest feasible
             budget (0.0) and the store-all peak (1.0), found by solving the min-memory
-            problem first.
+            problem first (within `time_limit`: past it, the smallest budget found).
         output: where to save the solution file (atomically); None: not saved.
         progress: receives one line per event worth showing.
         The others: as `solve.py`'s options of the same names.
@@ -100,6 +100,7 @@ def compile_schedule(
     from monet_like.schedule import finalize
     from monet_like.solver import (
         DEFAULT_DEPTH,
+        MIN_BUDGET_TIME_LIMIT,
         min_feasible_budget,
         parse_mode,
         schedule_graph,
@@ -137,7 +138,14 @@ def compile_schedule(
         baseline = (captured, reference)
     if budget_fraction is not None:
         problem = build_problem(graph, prof)
-        low = min_feasible_budget(problem, depth or DEFAULT_DEPTH, ablation, solver, frees=frees)
+        low = min_feasible_budget(
+            problem,
+            depth or DEFAULT_DEPTH,
+            ablation,
+            solver,
+            time_limit=time_limit if time_limit is None else min(time_limit, MIN_BUDGET_TIME_LIMIT),
+            frees=frees,
+        )
         budget_bytes = int(low + budget_fraction * (problem.store_all_peak_bytes - low))
     if progress is not None:
         progress(

@@ -122,15 +122,16 @@ def compare_steps(eager: nn.Module, eager_step, replayed: nn.Module, replay_step
 def compare_with_eager(
     model: nn.Module, solution_file, input_shape, x: torch.Tensor, reference=None
 ) -> Comparison:
-    """One step of `model` (left untouched) eagerly, or of `reference` (a model with
-    the same parameters running other kernels), against one step replayed through
-    `solution_file`, from copies of the same state."""
+    """One step of `model` (left untouched) eagerly, or of `reference` (a fresh copy of
+    it running other kernels, stepped as it is: a deep copy would keep its patched
+    forwards bound to the original's modules), against one step replayed through
+    `solution_file` on a copy of `model`."""
     from monet_like.wrapper import ScheduleWrapper
 
     replayed = copy.deepcopy(model)
     wrapped = ScheduleWrapper(replayed, solution_file, input_shape)
     sol = wrapped.solution
-    eager = copy.deepcopy(reference if reference is not None else model)
+    eager = reference if reference is not None else copy.deepcopy(model)
     eager_step = training_step(eager, eager, x, sol.input_grad, sol.autocast)
     replay_step = training_step(wrapped, replayed, x, sol.input_grad, sol.autocast)
     return compare_steps(eager, eager_step, replayed, replay_step)

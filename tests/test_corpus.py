@@ -22,8 +22,10 @@ FULL = "inplace_conv_multiway_newnode"
 
 def replay_at_budgets(name: str, mode: str, tmp_path, fractions=(1.0, 0.5, 0.0), autocast=None):
     entry = BY_NAME[name]
+    # 30 s per search: the tests check exactness, not optimality (a search stopped at its
+    # limit returns its best schedule, and the smallest budget found so far)
     return replay_entry(
-        entry.expression, entry.input_shape, entry.batch, mode, tmp_path, fractions, autocast
+        entry.expression, entry.input_shape, entry.batch, mode, tmp_path, fractions, autocast, 30
     )
 
 
@@ -50,7 +52,8 @@ def test_hf_gpt2_replays_exactly_with_its_logits_in_the_budget(tmp_path):
 # ConvNeXt in the full mode: its convolutions read channels-last inputs, which im2col
 # cannot take (the first step used to fail in slow_conv2d), and its downsampling
 # convolutions' weight gradients come back channels-last, which AccumulateGrad copies.
-@pytest.mark.slow
+# (tests/test_exactness.py has the same constructs in a small net, in the default suite)
+@pytest.mark.corpus
 def test_convnext_in_the_full_mode_replays_within_tolerance(tmp_path):
     rows = replay_at_budgets("convnext", FULL, tmp_path, fractions=(0.5, 0.0))
     assert_exact_and_within(rows)

@@ -231,6 +231,42 @@ def test_another_dtype_is_refused(tmp_path):
         ScheduleWrapper(ConstantNet().double(), path, (32,))
 
 
+class ChannelsLastNet(nn.Module):
+    """ConvNeXt's pattern: a convolution, a LayerNorm over channels-last features, a
+    convolution of the permuted result (a channels-last input) and a strided one whose
+    weight gradient comes back channels-last (AccumulateGrad copies it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.norm = nn.LayerNorm(16)
+        self.conv = nn.Conv2d(16, 16, 3, padding=1)
+        self.down = nn.Conv2d(16, 32, 2, stride=2)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.norm(self.stem(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        x = self.down(torch.relu(self.conv(x)).contiguous(memory_format=torch.channels_last))
+        return self.head(x.mean((2, 3)))
+
+
+def test_channels_last_convolutions_replay_in_the_conv_mode(tmp_path):
+    from monet_like.variants.conv import eager_with_algorithms
+    from monet_like.verify import VARIANT_TOLERANCE
+
+    torch.manual_seed(0)
+    model = ChannelsLastNet()
+    path = tmp_path / "cl.json"
+    compiled = solved(model, (3, 16, 16), 8, 0.5, path, mode="conv_normal")
+    sol = compiled.solution
+    assert sol.variants == ["conv"] and sum(len(s["recompute"]) for s in sol.stages)
+    x = torch.randn(8, 3, 16, 16)
+    same = eager_with_algorithms(model, compiled.graph, sol.algorithms)
+    assert compare_with_eager(model, path, (3, 16, 16), x, same).within(VARIANT_TOLERANCE)
+    wrapped = ScheduleWrapper(model, path, (3, 16, 16))
+    assert measured_peak(wrapped, x) <= sol.predicted_peak_bytes <= sol.budget_bytes
+
+
 def _profile(model, graph):
     from monet_like.profile import profile
 

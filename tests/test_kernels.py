@@ -419,6 +419,19 @@ def test_conv_grouped_or_dilated_offers_only_pytorchs_choice(ops):
         ops.conv2d_backward_algo(dy, x, w, [1, 1], [1, 1], [1, 1], 1, [True, True, False], 0, 3)
 
 
+def test_a_channels_last_input_is_not_offered_im2col(ops):
+    """slow_conv2d's backward refuses a channels-last input ("grad_weight must be
+    contiguous": ConvNeXt's first step in the full mode failed so), and its forward would
+    return another layout than the graph was traced with."""
+    x = torch.randn(2, 8, 9, 9).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(4, 8, 3, 3)
+    geometry = ([1, 1], [1, 1], [1, 1], 1)
+    assert ops.conv2d_algorithms(x, w, *geometry) == [3, -1, -2, -8] * 3
+    with pytest.raises(RuntimeError, match="contiguous input"):
+        ops.conv2d_algo(x, w, None, *geometry, 0)
+    assert ops.conv2d_algorithms(x.contiguous(), w, *geometry) == [4, -1, 0, -2, -8] * 3
+
+
 @pytest.mark.parametrize("algo", [-1, 0, -2])
 def test_gradcheck_conv_registered_autograd(ops, algo):
     x, w, b, geometry = conv_case(CONVS[3], gen(25), torch.float64)
