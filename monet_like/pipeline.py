@@ -1,12 +1,14 @@
 """The whole pipeline in one call: capture, profile, solve, build and check a schedule.
 
-    solution = monet_like.compile(model, (3, 224, 224), batch=32, budget_gb=4,
+    compiled = monet_like.compile(model, (3, 224, 224), 32, budget_bytes=4 * 2**30,
                                   mode="inplace_conv_multiway_newnode", solver="HIGHS",
                                   output="resnet50_32_4.json")
+    compiled.solution.predicted_peak_bytes, compiled.solution.overhead
     wrapped = ScheduleWrapper(model, "resnet50_32_4.json", (3, 224, 224))
 
-The command line (`solve.py`), the examples and the benchmark scripts all go through
-`compile`, so that each stage runs the same way wherever a schedule is made.
+`solve.py`, the zoo builder and the differential checks (`verify.replay_entry`) go
+through `compile_schedule`, so that each stage runs the same way wherever a schedule
+is made.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Compiled:
     solution: object  # monet_like.solution.Solution
     graph: object  # monet_like.graph.Graph
     profile: object  # monet_like.profile.Profile
+    min_budget_bytes: int | None = None  # the smallest feasible budget, where it was searched
 
 
 def compile_schedule(
@@ -53,6 +56,7 @@ def compile_schedule(
     solver: str = "HIGHS",
     *,
     budget_fraction: float | None = None,
+    min_budget_bytes: int | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     model_name: str = "",
@@ -84,6 +88,9 @@ def compile_schedule(
         budget_fraction: instead of `budget_bytes`, a point between the smallest feasible
             budget (0.0) and the store-all peak (1.0), found by solving the min-memory
             problem first (within `time_limit`: past it, the smallest budget found).
+            1.0 needs no search.
+        min_budget_bytes: the smallest feasible budget where a caller already has it
+            (`Compiled.min_budget_bytes` of another fraction), so it is not searched again.
         output: where to save the solution file (atomically); None: not saved.
         progress: receives one line per event worth showing.
         The others: as `solve.py`'s options of the same names.
@@ -111,6 +118,8 @@ def compile_schedule(
 
     if (budget_bytes is None) == (budget_fraction is None):
         raise UserError("give exactly one of budget_bytes and budget_fraction")
+    if budget_fraction is not None and not 0.0 <= budget_fraction <= 1.0:
+        raise UserError(f"budget_fraction must be within [0, 1], not {budget_fraction}")
     parse_mode(mode)
     captured = capture(
         model,
@@ -136,17 +145,20 @@ def compile_schedule(
         # in the captured graph, and keeps the captured graph itself where that is faster.
         reference = take_profile(model, captured, profile_batch, device, repeats, progress=bars)
         baseline = (captured, reference)
+    low = min_budget_bytes
     if budget_fraction is not None:
         problem = build_problem(graph, prof)
-        low = min_feasible_budget(
-            problem,
-            depth or DEFAULT_DEPTH,
-            ablation,
-            solver,
-            time_limit=time_limit if time_limit is None else min(time_limit, MIN_BUDGET_TIME_LIMIT),
-            frees=frees,
-        )
-        budget_bytes = int(low + budget_fraction * (problem.store_all_peak_bytes - low))
+        if low is None and budget_fraction < 1.0:
+            low = min_feasible_budget(
+                problem,
+                depth or DEFAULT_DEPTH,
+                ablation,
+                solver,
+                time_limit=None if time_limit is None else min(time_limit, MIN_BUDGET_TIME_LIMIT),
+                frees=frees,
+            )
+        top = problem.store_all_peak_bytes
+        budget_bytes = top if low is None else int(low + budget_fraction * (top - low))
     if progress is not None:
         progress(
             f"solving: budget {budget_bytes / GIB:g} GB, mode {mode}, {solver.upper()},"
@@ -188,4 +200,4 @@ def compile_schedule(
         )
     if output is not None:
         sol.save(output)
-    return Compiled(sol, graph, prof)
+    return Compiled(sol, graph, prof, low)

@@ -1,6 +1,6 @@
 """Third-party models (timm, Hugging Face transformers) replayed against eager PyTorch.
 
-Each schedule is solved at the store-all peak, halfway, and the smallest feasible
+Each schedule is solved at the store-all peak, halfway, and near the smallest feasible
 budget, replayed through ScheduleWrapper, and compared with an eager step from the
 same state: outputs, gradients and buffers bitwise equal where the same kernels run
 (within `verify.VARIANT_TOLERANCE` of eager running the same convolution algorithms
@@ -20,12 +20,14 @@ from monet_like.verify import replay_entry
 FULL = "inplace_conv_multiway_newnode"
 
 
-def replay_at_budgets(name: str, mode: str, tmp_path, fractions=(1.0, 0.5, 0.0), autocast=None):
+def replay_at_budgets(name: str, mode: str, tmp_path, fractions=(1.0, 0.5, 0.1), autocast=None):
     entry = BY_NAME[name]
-    # 30 s per search: the tests check exactness, not optimality (a search stopped at its
-    # limit returns its best schedule, and the smallest budget found so far)
+    # 20 s per search: the tests check exactness, not optimality (a search stopped at its
+    # limit returns its best schedule, and the smallest budget found so far). 0.1, not
+    # 0.0: at the smallest budget found the start heuristics often find nothing, and a
+    # solve stopped within seconds may have no schedule.
     return replay_entry(
-        entry.expression, entry.input_shape, entry.batch, mode, tmp_path, fractions, autocast, 30
+        entry.expression, entry.input_shape, entry.batch, mode, tmp_path, fractions, autocast, 20
     )
 
 
@@ -55,7 +57,7 @@ def test_hf_gpt2_replays_exactly_with_its_logits_in_the_budget(tmp_path):
 # (tests/test_exactness.py has the same constructs in a small net, in the default suite)
 @pytest.mark.corpus
 def test_convnext_in_the_full_mode_replays_within_tolerance(tmp_path):
-    rows = replay_at_budgets("convnext", FULL, tmp_path, fractions=(0.5, 0.0))
+    rows = replay_at_budgets("convnext", FULL, tmp_path, fractions=(0.5, 0.1))
     assert_exact_and_within(rows)
 
 

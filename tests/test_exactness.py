@@ -77,11 +77,11 @@ class DropoutNet(nn.Module):
         return self.c(self.drop(torch.relu(self.b(self.drop(torch.relu(self.a(x)))))))
 
 
-def solved(model, shape, batch, fraction, path, **options):
+def solved(model, shape, batch, fraction, path, time_limit=60, **options):
     torch.manual_seed(0)
     compiled = compile_schedule(
         model, shape, batch, budget_fraction=fraction, solver="HIGHS", repeats=1,
-        time_limit=60, output=path, **options,
+        time_limit=time_limit, output=path, **options,
     )  # fmt: skip
     return compiled
 
@@ -175,14 +175,16 @@ def test_outputs_held_by_the_loop_are_in_the_budget(tmp_path):
     torch.manual_seed(0)
     model = parse_model(entry.expression).build()
     x = make_input(model, entry.input_shape, entry.batch, torch.float32)
-    held = solved(model, entry.input_shape, entry.batch, 0.0, tmp_path / "held.json")
-    freed = solved(
-        model, entry.input_shape, entry.batch, 0.0, tmp_path / "freed.json", outputs_held=False
-    )
+    shape, batch = entry.input_shape, entry.batch
+    held = solved(model, shape, batch, 1.0, tmp_path / "held.json")
+    freed = solved(model, shape, batch, 1.0, tmp_path / "freed.json", outputs_held=False)
     logits = held.graph.storages[held.graph.output_storages[0]].nbytes
     assert held.solution.outputs_held and not freed.solution.outputs_held
+    # At the store-all peak (in the backward pass) the held logits count in full.
     assert held.solution.budget_bytes >= freed.solution.budget_bytes + logits // 2
-    for path in (tmp_path / "held.json", tmp_path / "freed.json"):
+    # Recomputing, near the smallest budget (searched for 20 s: the best one found).
+    solved(model, shape, batch, 0.2, tmp_path / "held_low.json", time_limit=20)
+    for path in (tmp_path / "held.json", tmp_path / "freed.json", tmp_path / "held_low.json"):
         wrapped = ScheduleWrapper(parse_model(entry.expression).build(), path, entry.input_shape)
         sol = wrapped.solution
         assert measured_peak(wrapped, x) <= sol.predicted_peak_bytes <= sol.budget_bytes

@@ -75,7 +75,9 @@ def test_default_output_name(tmp_path):
     assert r.returncode == 0, r.stderr
     report = last_json(r)
     assert report["status"] == "store-all"
-    assert os.path.basename(report["solution_file"]) == "solution_resnet18_16_normal_100.json"
+    # MONeT's name, with the input shape appended where it is not the model's default.
+    name = os.path.basename(report["solution_file"])
+    assert name == "solution_resnet18_16_normal_100_3x64x64.json"
 
 
 def test_infeasible_budget_exits_2_with_smallest_feasible_budget():

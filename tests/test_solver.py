@@ -383,7 +383,7 @@ SMALL_GRAPHS = [
     ("unet(base=8)", (3, 64, 64), 4),
     ("gpt(depth=2, dim=64)", (64,), 8),
 ]
-# Where the compact formulation is more than 2% off the full one (measured; README): a
+# Where the compact formulation is more than 2% off the full one (docs/benchmarks.md): a
 # GPT block is a long chain, recomputed whole, and the compact formulation holds each
 # recomputed unit until the stage's recomputations end, where the full one frees it
 # after its last reader. Its smallest budget is 16% lower in the full formulation, and
@@ -419,7 +419,7 @@ def test_store_all_is_exact_and_compact_is_within_two_percent_of_full(expression
     problem = build_problem(graph, prof)
     # Without recomputation the model's bytes are the store-all step's: a saved value
     # counts until its last reader inside a stage, not to the stage's end. Exactly, but
-    # for the outputs of a unit last read a stage before its others (docs/formulation.md).
+    # for the outputs of a unit last read a stage before its others (docs/solver.md).
     no_recompute = min_feasible_budget(problem, DEFAULT_DEPTH, True, "HIGHS")
     early = _outputs_freed_a_stage_early(graph, problem)
     assert problem.store_all_peak_bytes <= no_recompute <= problem.store_all_peak_bytes + early, (
@@ -577,7 +577,10 @@ def test_raced_searches_agree_with_one_search_and_keep_a_bound_that_holds(resnet
     budget = between(low, problem, 0.3)
     alone = solve_formulation(f, budget, solver, 120, workers=1)
     raced = solve_formulation(f, budget, solver, 120, workers=2)
-    assert alone.status == raced.status == "optimal"
+    # CBC with threads is not deterministic: where it restarts its search, the bound
+    # before the restart is all its log proves, so a finished search may say "feasible".
+    proved = ("optimal", "feasible") if solver == "PULP" else ("optimal",)
+    assert alone.status in proved and raced.status in proved, (alone, raced)
     assert raced.objective == pytest.approx(alone.objective, rel=2e-3)  # both within 0.1%
     for result, other in ((raced, alone), (alone, raced)):
         if solver != "CBC":  # HiGHS and PuLP's log always give one; cylp's CBC may not
@@ -800,7 +803,10 @@ def test_cbc_stopped_without_a_schedule_returns_the_start(
     if bound is None:
         assert sol.gap is None
     else:
-        assert sol.gap == pytest.approx(1 - bound_fraction) and sol.bound_s == bound
+        # solve() finds its start on the formulation with its cuts (found within a time
+        # limit), which may differ from the one above: the gap is its own against the bound.
+        assert sol.bound_s == bound
+        assert sol.gap == pytest.approx(1 - bound / sol.objective_s)
     assert sol.predicted_peak_bytes <= budget
     assert sol.objective_s == pytest.approx(sol.stats["start_objective_s"])
     assert sol.stats["returned_start"]
