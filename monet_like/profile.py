@@ -151,6 +151,15 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
+# Profiles the solution zoo was solved from (solutions/profiles/), read like the cache's.
+SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "solutions" / "profiles"
+
+
+def cache_path(graph: Graph, profile_batch: int, device: torch.device) -> Path:
+    """Where `graph`'s profile at `profile_batch` on `device` is cached."""
+    return cache_dir() / "profiles" / f"{_cache_key(graph, profile_batch, device)}.json"
+
+
 def _cache_key(graph: Graph, profile_batch: int, device: torch.device) -> str:
     text = "|".join(
         [graph.fingerprint, str(profile_batch), graph.dtype, device_name(device), torch.__version__]
@@ -687,15 +696,18 @@ def profile(
     if any(p.is_meta for p in model.parameters()):
         raise UserError("the profiler needs a model with real parameters, not one on 'meta'")
 
-    key = _cache_key(graph, profile_batch, device)
-    path = cache_dir() / "profiles" / f"{key}.json"
-    if use_cache and path.exists():
+    path = cache_path(graph, profile_batch, device)
+    shipped = SHIPPED_PROFILES / path.name  # the zoo's, for its models (read-only)
+    for source in (path, shipped) if use_cache else ():
+        if not source.exists():
+            continue
         try:
-            cached = Profile.from_json(path.read_text())
+            cached = Profile.from_json(source.read_text())
             cached.cached = True
             return cached
         except (ValueError, KeyError, TypeError):
-            path.unlink(missing_ok=True)  # unreadable or older format: profile again
+            if source == path:
+                path.unlink(missing_ok=True)  # unreadable or older format: profile again
 
     started = time.perf_counter()
 
@@ -707,7 +719,15 @@ def profile(
         from monet_like.variants import apply as apply_variants
 
         other = capture(
-            model, graph.input_shape, batch, dtype, device, graph.model, graph.input_grad
+            model,
+            graph.input_shape,
+            batch,
+            dtype,
+            device,
+            graph.model,
+            graph.input_grad,
+            graph.outputs_held,
+            None if graph.autocast is None else getattr(torch, graph.autocast),
         )
         other = apply_variants(other, graph.variants)
         if [o.target for o in other.ops] != [o.target for o in graph.ops]:

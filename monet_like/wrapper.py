@@ -14,11 +14,13 @@ with `--input_grad` also gives the input its gradient when it requires grad.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_unflatten
 
+from monet_like import zoo
 from monet_like.errors import UserError
 from monet_like.graph import capture
 from monet_like.schedule import Executor, build, check_budget
@@ -64,6 +66,8 @@ class ScheduleWrapper(nn.Module):
     ) -> None:
         super().__init__()
         self.model = model
+        if str(solution_file).startswith(zoo.PREFIX):  # "zoo:NAME": local, else downloaded
+            solution_file = zoo.resolve(str(solution_file))
         self.solution = load(solution_file)
         self.input_shape = tuple(input_shape)
         sol = self.solution
@@ -73,6 +77,14 @@ class ScheduleWrapper(nn.Module):
                 f"not {self.input_shape}: solve again for this shape"
             )
         param = next(model.parameters())
+        if sol.algorithms and param.device.type != sol.device.split(":")[0]:
+            # Convolution algorithms are the profiled device's: elsewhere PyTorch's run.
+            warnings.warn(
+                f"{solution_file} chose convolution algorithms on {sol.device}; on "
+                f"{param.device.type} PyTorch's own run instead (solve there for its own)",
+                stacklevel=2,
+            )
+            sol.algorithms = {}
         if param.dtype != getattr(torch, sol.dtype):
             raise ScheduleMismatch(
                 f"{solution_file} was solved for {sol.dtype}, this model's parameters are "

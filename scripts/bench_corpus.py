@@ -121,9 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "algorithms (the largest relative gradient difference in brackets). *within\n"
         "budget*: the CPU allocator's measured peak at or below the prediction, and the\n"
         "prediction at or below the budget, at all three budgets.\n\n"
-        f"Made by `{command.strip()}` on this CPU, torch {torch.__version__}.\n\n"
-        + text
-        + "\n"
+        f"Made by `{command.strip()}` on this CPU, torch {torch.__version__}.\n\n" + text + "\n"
     )
     print(f"written to {args.out}")
     return 0 if all(r.get("exact") and r.get("fits") for r in results) else 1

@@ -6,7 +6,7 @@ budget in each formulation (the min-memory problem), then the least recomputatio
 budget and 20% and 50% of the way from it to the store-all peak, and the columns of
 each formulation. A solve stopped by its time limit is marked '*' (its schedule may
 be costlier than the optimum, its bound is in the CSV; a smallest budget so marked is
-the smallest found). This is the README's compact-vs-full table; `tests/test_solver.py`
+the smallest found). Its table is docs/benchmarks.md's compact-vs-full one; `tests/test_solver.py`
 asserts its 20% and 50% columns within 2% on the graphs without long chains. Writes a
 CSV and a PNG.
 

@@ -44,7 +44,7 @@ from monet_like.variants import apply as apply_variants
 from monet_like.variants import parse_mode
 
 SOLVERS = ("CBC", "HIGHS", "GUROBI", "PULP")
-DEFAULT_DEPTH = 16  # the compact formulation's recomputation depth (see docs/formulation.md)
+DEFAULT_DEPTH = 16  # the compact formulation's recomputation depth (see docs/solver.md)
 # Solvers given the recompute-count cuts (solver/cuts.py) before their search: their bound
 # starts at the LP's, which the cuts lift (ResNet-50 at 184, normal, 5 GB, one search
 # each: CBC proved the optimum in 149 s with 143 of them, an 18.6% gap after 300 s
@@ -378,7 +378,7 @@ def _cbc_beside_windows(
     its own schedules come late (ResNet-50 at 184, full mode, 6 GB: 3.874 s of
     recomputation after 600 s where the optimum is 3.401 s; windows from the start beside
     one search reached 3.512 s in 300 s), while on an easy one a second search ordered
-    otherwise is often the first to prove (the README's main job, ResNet-50 at 184,
+    otherwise is often the first to prove (the main job, ResNet-50 at 184,
     normal, 10 GB, each run on a fresh profile: 8.5 and 40 s with two searches raced,
     116 s with the first search alone beside windows)."""
     started = time.perf_counter()

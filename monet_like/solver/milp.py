@@ -1,6 +1,6 @@
 """The mixed-integer program: which units to keep, which to recompute and when.
 
-See docs/formulation.md for the mathematics. In short, with units u (bytes m_u,
+See docs/solver.md for the mathematics. In short, with units u (bytes m_u,
 recompute time c_u) and backward stages t (in eager order):
 
   keep_u     binary   u stays in memory after the forward pass
@@ -223,7 +223,7 @@ def formulate(
     """The MILP of `problem`: candidates up to `depth` steps back (None: all, the full
     formulation); `allow_recompute=False` forbids recomputation (--ablation); `frees`
     frees a recomputation's inputs after their last reader (default: in the full
-    formulation only; docs/formulation.md says why not in the compact one)."""
+    formulation only; docs/solver.md says why not in the compact one)."""
     units, stages = problem.units, problem.stages
     n_u, n_t = len(units), len(stages)
     cand = candidates(problem, depth if allow_recompute else 0)  # depth 0: the needs alone
@@ -914,7 +914,7 @@ def eliminate_sums(
     Why: CBC's cuts work on rows over the binaries. On ResNet-50 (184) in the full mode
     its root bound at 6 GB rose from 3.071 to 3.267 s (optimum 3.401 s), and at 7 GB it
     found the optimum where with the sums it stood at a 37% gap after 600 s
-    (docs/formulation.md). HiGHS does better with the sums (its root bound fell from
+    (docs/solver.md). HiGHS does better with the sums (its root bound fell from
     3.35 to 3.27 s without them), so only CBC gets this model. The rows grow denser:
     137k nonzeros become about 930k."""
     from scipy.sparse.linalg import splu

@@ -13,7 +13,7 @@ the solver takes no start). Two searches use it:
   pinned from 3.95 to 3.39 GB in 84 s.
 - `lower_cost`, for the least recomputation within a budget, used where the solver
   takes no start (CBC through cylp): on the same model at 6 GB, CBC's windows took the
-  start from 4.73 to 3.51 s of recomputation in 300 s (docs/formulation.md).
+  start from 4.73 to 3.51 s of recomputation in 300 s (docs/solver.md).
 
 Windows of `width` units slide in steps of half a window, in a shuffled order drawn
 from a fixed seed (so a run is repeatable up to the solver's time limits); a sweep that

@@ -214,7 +214,7 @@ def register(variant: Variant) -> Variant:
 
 
 def describe() -> list[dict]:
-    """The registry as plain rows (for the README and `python -m monet_like variants`)."""
+    """The registry as plain rows (for docs/variants.md)."""
     _register_all()
 
     return [
