@@ -37,6 +37,11 @@ PREFIX = "zoo:"
 INDEX_VERSION = 1
 
 
+def _folder(folder: Path | None) -> Path:
+    """`folder`, or the zoo's own (read when called, so that it can be pointed elsewhere)."""
+    return Path(ZOO_DIR if folder is None else folder)
+
+
 class ZooError(UserError):
     """A zoo entry that cannot be used: unknown, missing, altered, or not downloadable."""
 
@@ -83,8 +88,9 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_index(folder: Path = ZOO_DIR) -> list[ZooEntry]:
+def load_index(folder: Path | None = None) -> list[ZooEntry]:
     """The entries of `folder`'s index (none where it has no index)."""
+    folder = _folder(folder)
     path = Path(folder) / INDEX
     if not path.exists():
         return []
@@ -104,9 +110,10 @@ def load_index(folder: Path = ZOO_DIR) -> list[ZooEntry]:
         raise ZooError(f"{path}: not a zoo index ({exc})") from None
 
 
-def load_infeasible(folder: Path = ZOO_DIR) -> list[dict]:
+def load_infeasible(folder: Path | None = None) -> list[dict]:
     """The configurations the builder found infeasible: name, model, batch, mode,
     budget_gb, min_feasible_budget_bytes, torch_version."""
+    folder = _folder(folder)
     path = Path(folder) / INDEX
     if not path.exists():
         return []
@@ -114,8 +121,9 @@ def load_infeasible(folder: Path = ZOO_DIR) -> list[dict]:
 
 
 def write_index(
-    entries: list[ZooEntry], folder: Path = ZOO_DIR, infeasible: list[dict] | None = None
+    entries: list[ZooEntry], folder: Path | None = None, infeasible: list[dict] | None = None
 ) -> Path:
+    folder = _folder(folder)
     entries = sorted(entries, key=lambda e: (e.model, e.batch, e.mode, -e.budget_gb))
     data = {
         "version": INDEX_VERSION,
@@ -125,7 +133,8 @@ def write_index(
     return atomic_write(Path(folder) / INDEX, json.dumps(data, indent=1) + "\n")
 
 
-def find(name: str, folder: Path = ZOO_DIR) -> ZooEntry:
+def find(name: str, folder: Path | None = None) -> ZooEntry:
+    folder = _folder(folder)
     name = name.removeprefix(PREFIX).removesuffix(".json")
     for e in load_index(folder):
         if e.name == name:
@@ -140,9 +149,10 @@ def lookup(
     dtype: str,
     mode: str,
     budget_bytes: int,
-    folder: Path = ZOO_DIR,
+    folder: Path | None = None,
 ) -> ZooEntry | None:
     """The entry solved for exactly this configuration, if the zoo has one."""
+    folder = _folder(folder)
     for e in load_index(folder):
         if (
             e.model == model
@@ -190,9 +200,10 @@ def entry_for(
     )
 
 
-def verify(folder: Path = ZOO_DIR) -> list[str]:
+def verify(folder: Path | None = None) -> list[str]:
     """Every entry's file present, of the index's size and sha256, and loadable as a
     schedule of the index's configuration: one line per problem found (none: all good)."""
+    folder = _folder(folder)
     from monet_like.solution import SolutionFileError, load
 
     problems = []
@@ -277,9 +288,9 @@ def download(
                         bar.update(len(block))
                 out.flush()
                 os.fsync(out.fileno())
-            if got != entry.size:
+            if got < entry.size:
                 raise ConnectionError(f"the connection ended after {got} of {entry.size} bytes")
-            if h.hexdigest() != entry.sha256:
+            if got > entry.size or h.hexdigest() != entry.sha256:
                 raise _Altered()
             os.replace(tmp, target)
             return target
@@ -287,7 +298,7 @@ def download(
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise ZooError(
-                f"{address}: its sha256 is not the index's: the mirror's copy was altered;"
+                f"{address}: its size or sha256 is not the index's: the mirror's copy was altered;"
                 " nothing was kept"
             ) from None
         except urllib.error.HTTPError as exc:
@@ -315,9 +326,10 @@ def _terminal() -> bool:
     return sys.stderr.isatty()
 
 
-def resolve(name: str, url: str | None = None, folder: Path = ZOO_DIR) -> Path:
+def resolve(name: str, url: str | None = None, folder: Path | None = None) -> Path:
     """The local file of zoo entry `name` ("zoo:NAME" or "NAME"): the copy in `folder` if
     it matches the index, else one in the cache, else downloaded into the cache."""
+    folder = _folder(folder)
     entry = find(name, folder)
     for candidate in (Path(folder) / entry.file, cache_folder() / entry.file):
         if candidate.exists() and candidate.stat().st_size == entry.size:
@@ -361,7 +373,9 @@ def tables(
                 if e is None:
                     cells.append("infeasible" if (model, batch, mode, b) in too_low else "-")
                     continue
-                gap = "" if e.status in ("optimal", "store-all") else f", gap {e.gap:.1%}"
+                gap = ""
+                if e.status not in ("optimal", "store-all"):
+                    gap = ", no bound" if e.gap is None else f", gap {e.gap:.1%}"
                 cells.append(
                     f"{e.predicted_overhead:+.2%} ({e.predicted_peak_bytes / GIB:.2f}){gap}"
                 )
@@ -410,6 +424,6 @@ def published_rows() -> dict:
     return rows
 
 
-def readme_table(folder: Path = ZOO_DIR) -> str:
+def readme_table(folder: Path | None = None) -> str:
     """The README's zoo table: the index's tables with MONeT's published rows."""
     return tables(load_index(folder), load_infeasible(folder), published_rows())

@@ -137,12 +137,12 @@ def test_verify_finds_a_tampered_file(tiny_zoo, tmp_path, monkeypatch, capsys):
     folder, entries, _ = tiny_zoo
     copy = tmp_path / "zoo"
     shutil.copytree(folder, copy)
-    data = json.loads((copy / entries[0].file).read_text())
-    data["stages"][0]["recompute"] = []
-    (copy / entries[0].file).write_text(json.dumps(data))
-    assert zoo.verify(copy) == [
-        f"{entries[0].name}: its sha256 differs from the index's (altered?)"
-    ]
+    tampered = entries[1]  # the schedule that recomputes
+    data = json.loads((copy / tampered.file).read_text())
+    stage = next(s for s in data["stages"] if s["recompute"])
+    stage["recompute"] = []  # an edit that keeps the file loadable
+    (copy / tampered.file).write_text(json.dumps(data))
+    assert zoo.verify(copy) == [f"{tampered.name}: its sha256 differs from the index's (altered?)"]
     monkeypatch.setattr(zoo, "ZOO_DIR", copy)
     assert monet_main(["zoo", "verify"]) == 1
 
