@@ -1,4 +1,5 @@
-"""Writing files so that no reader ever sees half of one and no link is followed."""
+"""Where monet_like keeps files, and writing them so that no reader ever sees half of
+one and no link is followed."""
 
 from __future__ import annotations
 
@@ -54,3 +55,12 @@ def writable_folder(path: str | os.PathLike) -> str | None:
     except OSError as exc:
         return f"cannot write {path}: {exc.strerror or exc}"
     return None
+
+
+def cache_dir() -> Path:
+    """$MONET_LIKE_CACHE, else $XDG_CACHE_HOME/monet_like, else ~/.cache/monet_like: the
+    profiles, the built C++ operators and downloaded zoo schedules."""
+    if os.environ.get("MONET_LIKE_CACHE"):
+        return Path(os.environ["MONET_LIKE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "monet_like"

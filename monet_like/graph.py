@@ -472,8 +472,6 @@ def capture(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from monet_like.models import input_dtype
-
     if batch < 1:
         raise UserError(f"batch size must be at least 1, got {batch}")
     if not dtype.is_floating_point:
@@ -778,3 +776,27 @@ def _coarsen(
             )
         )
     return nodes, new_ops
+
+
+# What the capture takes from a model: its input's dtype (token ids for language
+# models) and, for random token ids, its vocabulary size.
+def input_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the model's input: the model's `input_dtype` attribute, else `dtype`."""
+    return getattr(model, "input_dtype", dtype)
+
+
+def make_input(
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    batch: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """A random input batch for `model`: floats, or token ids below `model.vocab_size`."""
+    shape = (batch, *input_shape)
+    in_dtype = input_dtype(model, dtype)
+    if in_dtype.is_floating_point:
+        return torch.randn(shape, dtype=in_dtype, device=device, generator=generator)
+    high = int(getattr(model, "vocab_size", 2))
+    return torch.randint(0, high, shape, dtype=in_dtype, device=device, generator=generator)

@@ -184,7 +184,7 @@ def _jit_build() -> None:
     finally:
         cpp_log.setLevel(level)
 
-    from monet_like.profile import cache_dir
+    from monet_like.files import cache_dir
 
     if not _CPP.exists():
         raise UserError(

@@ -16,10 +16,6 @@ All sizes are bytes (int).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-import tempfile
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,6 +36,7 @@ from monet_like.graph import (
     fake_like,
     kernel_nbytes,
 )
+from monet_like.streams import silenced
 
 
 @dataclass(frozen=True)
@@ -199,33 +196,6 @@ def measure(
     return Measurement(tracker.peak, tracker.baseline, "live-storage")
 
 
-@contextlib.contextmanager
-def silenced(fd: int):
-    """Discard what C++ libraries write to file descriptor `fd` (1 or 2) meanwhile: the
-    profiler library's log lines, HiGHS's banner (printed from its constructor since
-    highspy 1.16, before any option can turn it off)."""
-    with captured(fd):
-        yield
-
-
-@contextlib.contextmanager
-def captured(fd: int):
-    """Collect what C++ libraries write to file descriptor `fd` meanwhile: yields a list
-    that holds the text once the block is left (CBC's log, read for what it proves)."""
-    (sys.stdout if fd == 1 else sys.stderr).flush()
-    text: list[str] = []
-    saved = os.dup(fd)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), fd)
-        try:
-            yield text
-        finally:
-            os.dup2(saved, fd)
-            os.close(saved)
-            sink.seek(0)
-            text.append(sink.read().decode(errors="replace"))
-
-
 def record_allocations(fn: Callable[[], object]):
     """Run `fn` under torch.profiler with memory recording; return its event tree roots.
 
@@ -322,7 +292,7 @@ def simulate(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
-    from monet_like.models import input_dtype
+    from monet_like.graph import input_dtype
 
     device = torch.device(device)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from monet_like.errors import UserError
-from monet_like.files import atomic_write
+from monet_like.files import atomic_write, cache_dir
 from monet_like.graph import BACKWARD, FORWARD, Graph, capture, tangents_for
 from monet_like.memory import allocation_peak, record_allocations, store_all_peak
 
@@ -135,14 +135,6 @@ class Profile:
         d["input_shape"] = tuple(d["input_shape"])
         d["op_workspace"] = [tuple(p) for p in d["op_workspace"]]
         return cls(**d)
-
-
-def cache_dir() -> Path:
-    """$MONET_LIKE_CACHE, else $XDG_CACHE_HOME/monet_like, else ~/.cache/monet_like."""
-    if os.environ.get("MONET_LIKE_CACHE"):
-        return Path(os.environ["MONET_LIKE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "monet_like"
 
 
 def device_name(device: torch.device) -> str:

@@ -236,7 +236,7 @@ def verify(folder: Path | None = None) -> list[str]:
 
 def cache_folder() -> Path:
     """Where downloaded schedules go: the profile cache's folder, `zoo/` under it."""
-    from monet_like.profile import cache_dir
+    from monet_like.files import cache_dir
 
     return cache_dir() / "zoo"
 

@@ -53,7 +53,14 @@ def test_imagenet_example_trains_like_eager(schedule):
 
 
 def test_imagenet_example_under_torchrun_trains_like_eager(schedule):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+    ]
     scheduled = losses(*torchrun, *imagenet("--solution_file", str(schedule)))
     eager = losses(*torchrun, *imagenet())
     assert scheduled == eager

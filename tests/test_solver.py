@@ -24,21 +24,14 @@ from monet_like.solver import (
     min_feasible_budget,
     solve,
 )
+from monet_like.solver.backends import RawResult
+from monet_like.solver.backends.cbc import _cbc_bound_before_restart, _cbc_matrix, _shuffled
+from monet_like.solver.backends.highs import is_feasible
+from monet_like.solver.backends.pulp import _CbcLogWatch, _pulp_bound
 from monet_like.solver.cuts import CutSeparator, root_cuts, with_cuts
-from monet_like.solver.milp import (
-    MS,
-    RawResult,
-    _cbc_bound_before_restart,
-    _cbc_matrix,
-    _CbcLogWatch,
-    _pulp_bound,
-    _rhs_for,
-    _shuffled,
-    evaluate,
-    formulate,
-    is_feasible,
-    solve_formulation,
-)
+from monet_like.solver.evaluate import evaluate
+from monet_like.solver.formulation import MS, _rhs_for, formulate
+from monet_like.solver.milp import solve_formulation
 from monet_like.solver.neighbourhood import lower_cost, shrink_peak
 from monet_like.solver.problem import AlgorithmChoice, Problem, Stage, Unit, build_problem
 from monet_like.solver.start import greedy_start, rounded_start, start_schedule
@@ -786,15 +779,15 @@ def test_cbc_stopped_without_a_schedule_returns_the_start(
     # 30% of the way from the smallest budget: at 10%, in one fresh-clone run, neither
     # heuristic found the start this test is about.
     budget = between(low, problem, 0.3)
-    stopped = [milp.RawResult("error", None, None, None, None, 0.0, "CBC", "no schedule")]
+    stopped = [RawResult("error", None, None, None, None, 0.0, "CBC", "no schedule")]
     # Every CBC solve stops without a schedule, the start's re-solve included.
     monkeypatch.setattr(milp, "_solve_cbc", lambda *args, **kwargs: stopped[0])
     f = formulate(problem, DEFAULT_DEPTH)
     start, _ = start_schedule(f, budget, "CBC")  # what solve() will find
-    start_s = float(f.cost @ start) * milp.MS
+    start_s = float(f.cost @ start) * MS
     assert start_s > 0  # a schedule that recomputes, so that its gap is not 0 by definition
     bound = None if bound_fraction is None else bound_fraction * start_s
-    stopped[0] = milp.RawResult(
+    stopped[0] = RawResult(
         "error", None, None, bound, None, 0.0, "CBC", "no schedule (stopped on time)"
     )
     lines = []

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from monet_like.errors import UserError
+from monet_like.graph import input_dtype, make_input  # noqa: F401  (re-exported: models make inputs)
 
 # Default per-sample input shapes (no batch dimension) for the known families.
 _IMAGE_SHAPE = (3, 224, 224)
@@ -256,25 +257,3 @@ def parse_input_shape(text: str) -> tuple[int, ...]:
     if not shape or any(d <= 0 for d in shape):
         raise UserError(f"malformed input shape {text!r}: dimensions must be positive")
     return shape
-
-
-def input_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the model's input: the model's `input_dtype` attribute, else `dtype`."""
-    return getattr(model, "input_dtype", dtype)
-
-
-def make_input(
-    model: nn.Module,
-    input_shape: tuple[int, ...],
-    batch: int,
-    dtype: torch.dtype,
-    device: str | torch.device = "cpu",
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """A random input batch for `model`: floats, or token ids below `model.vocab_size`."""
-    shape = (batch, *input_shape)
-    in_dtype = input_dtype(model, dtype)
-    if in_dtype.is_floating_point:
-        return torch.randn(shape, dtype=in_dtype, device=device, generator=generator)
-    high = int(getattr(model, "vocab_size", 2))
-    return torch.randint(0, high, shape, dtype=in_dtype, device=device, generator=generator)

@@ -18,23 +18,13 @@ import numpy as np
 from monet_like.errors import UserError
 from monet_like.profile import align_times, derived_profile
 from monet_like.solution import Solution
+from monet_like.solver.backends import RawResult, relative_gap
+from monet_like.solver.backends.cbc import CBC_FINISHED, cbc_seeded, merge_cbc_outcomes
+from monet_like.solver.backends.highs import is_feasible, race_workers
 from monet_like.solver.cuts import root_cuts, with_cuts
-from monet_like.solver.milp import (
-    CBC_FINISHED,
-    STARTABLE,
-    RawResult,
-    _rhs_for,
-    cbc_seeded,
-    check_solver,
-    evaluate,
-    formulate,
-    is_feasible,
-    lean_choices,
-    merge_cbc_outcomes,
-    race_workers,
-    relative_gap,
-    solve_formulation,
-)
+from monet_like.solver.evaluate import evaluate
+from monet_like.solver.formulation import _rhs_for, formulate, lean_choices
+from monet_like.solver.milp import STARTABLE, check_solver, solve_formulation
 from monet_like.solver.neighbourhood import lower_cost, shrink_peak
 from monet_like.solver.problem import Problem, build_problem
 from monet_like.solver.race import race

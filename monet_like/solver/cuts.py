@@ -42,7 +42,8 @@ from dataclasses import replace
 import numpy as np
 import scipy.sparse as sp
 
-from monet_like.solver.milp import Formulation, solved_relaxation
+from monet_like.solver.backends.highs import solved_relaxation
+from monet_like.solver.formulation import Formulation
 
 MIN_VIOLATION = 1e-3  # in units of "recomputations": the rows' coefficients are 0, ±1
 

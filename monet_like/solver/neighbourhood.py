@@ -29,7 +29,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from monet_like.solver.milp import Formulation, RawResult, evaluate, solve_formulation
+from monet_like.solver.backends import RawResult
+from monet_like.solver.evaluate import evaluate
+from monet_like.solver.formulation import Formulation
+from monet_like.solver.milp import solve_formulation
 from monet_like.units import GIB
 
 WIDTH = 40  # units per window at first (ResNet-50 has about 200 to 260 units)

@@ -9,7 +9,7 @@ carried or recomputed). Two ways choose what to keep:
 
 - greedy: units in order of bytes freed per second of recomputation, each dropped
   when that does not raise the exact peak under the MILP's own memory model
-  (`milp.evaluate`); it stalls at budgets far below the store-all peak;
+  (`evaluate.evaluate`); it stalls at budgets far below the store-all peak;
 - LP rounding (after Checkmate): the LP relaxation of the MILP at the budget or a
   little below, its keep columns rounded at a few thresholds; the cheapest rounding
   that fits wins. Where none fits, the greedy's drops go on from the rounding
@@ -32,13 +32,10 @@ import time
 
 import numpy as np
 
-from monet_like.solver.milp import (
-    Formulation,
-    evaluate,
-    lean_choices,
-    relaxation,
-    solve_formulation,
-)
+from monet_like.solver.backends.highs import relaxation
+from monet_like.solver.evaluate import evaluate
+from monet_like.solver.formulation import Formulation, lean_choices
+from monet_like.solver.milp import solve_formulation
 
 RESCHEDULE_TIME_LIMIT = 30.0  # seconds for the MILP with the keep columns pinned
 

@@ -1,0 +1,208 @@
+"""HiGHS through highspy: the model built from the sparse matrix, searches raced with
+seeds, the LP relaxation for the start heuristics and cuts, and a feasibility check
+of a fixed schedule."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+from monet_like.solver.backends import RawResult, _finish, relative_gap
+from monet_like.solver.formulation import MIB, MS, Formulation, _budget_column, _rhs_for
+from monet_like.solver.race import available_cores, race
+from monet_like.streams import silenced
+from monet_like.units import GIB
+
+
+def _binary_bounds(n_bool: int, fixed=None, pins=None) -> tuple[np.ndarray, np.ndarray]:
+    """Lower and upper bounds of the binary columns: 0 and 1, or `fixed` (all pinned);
+    `pins` = (columns, values) pins some of them."""
+    low = np.zeros(n_bool) if fixed is None else np.array(fixed, dtype=float)
+    high = np.ones(n_bool) if fixed is None else low.copy()
+    if pins is not None:
+        low[pins[0]] = high[pins[0]] = pins[1]
+    return low, high
+
+
+def _highs_model(f: Formulation, rhs: np.ndarray, minimize_budget: bool, fixed=None, pins=None):
+    """A highspy model of the formulation; `fixed` pins the binary columns (an LP),
+    `pins` = (columns, values) some of them."""
+    import highspy
+
+    with silenced(1):  # highspy >= 1.16 prints its banner from the constructor
+        h = highspy.Highs()
+    h.setOptionValue("output_flag", False)  # before passModel: no banner
+    n_b, n_c = f.n_bool, f.n_cont
+    n_cols = n_b + n_c + (1 if minimize_budget else 0)
+    a = sp.hstack([f.a_bool, f.a_cont], format="csc")
+    cost = np.concatenate([f.cost, np.zeros(n_c)])
+    if minimize_budget:
+        a = sp.hstack([a, sp.csc_matrix(_budget_column(f)[:, None])], format="csc")
+        cost = np.concatenate([1e-6 * cost, [1.0]])  # smallest memory, then least recompute
+    inf = highspy.kHighsInf
+    low_b, high_b = _binary_bounds(n_b, fixed, pins)
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = n_cols, f.n_rows
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.concatenate([low_b, np.full(n_cols - n_b, -inf)])
+    lp.col_upper_ = np.concatenate([high_b, np.full(n_cols - n_b, inf)])
+    lp.row_lower_, lp.row_upper_ = np.where(f.is_eq, rhs, -inf), rhs
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
+    if fixed is None:
+        integer, continuous = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
+        lp.integrality_ = [integer] * n_b + [continuous] * (n_cols - n_b)
+    h.passModel(lp)
+    return h
+
+
+def solved_relaxation(f: Formulation, budget_bytes: float, time_limit: float = 60.0):
+    """The LP relaxation at `budget_bytes` (least recomputation) as a highspy model, run
+    for at most `time_limit` seconds, and whether it reached its optimum."""
+    import highspy
+
+    h = _highs_model(f, _rhs_for(f, budget_bytes), False)
+    h.setOptionValue("solve_relaxation", True)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.run()
+    return h, h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+
+
+def relaxation(f: Formulation, budget_bytes: float, time_limit: float = 60.0) -> np.ndarray | None:
+    """The binary columns' values in the LP relaxation at `budget_bytes` (least
+    recomputation), or None when even the relaxation is infeasible (or not solved
+    within `time_limit` seconds)."""
+    h, solved = solved_relaxation(f, budget_bytes, time_limit)
+    return np.asarray(h.getSolution().col_value[: f.n_bool]) if solved else None
+
+
+def is_feasible(f: Formulation, x_bool: np.ndarray, budget_bytes: int) -> bool:
+    """Whether the binary columns `x_bool` satisfy every row within `budget_bytes` (the
+    continuous columns completed by an LP)."""
+    import highspy
+
+    h = _highs_model(f, _rhs_for(f, budget_bytes), False, fixed=x_bool)
+    h.run()
+    return h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+
+
+@dataclass
+class _HighsOutcome:
+    """One HiGHS search, as plain values (a racer sends it through a pipe)."""
+
+    status: str  # "optimal", "feasible", "infeasible", "error"
+    x: np.ndarray | None
+    objective: float  # HiGHS's objective and dual bound, in the model's own units
+    bound: float
+    message: str
+    first_s: float | None  # when it found its first schedule
+    seed: int
+
+
+# Racing a second search only pays on problems that take seconds or more:
+# ResNet-50 (184) has 9,936 binaries, ResNet-18 at 64 px 1,963 (the test suite's
+# GoogLeNet at 64 px, 13,939, and DenseNet at depth 2, 5,558, race).
+RACE_MIN_BINARIES = 4000
+
+
+def race_workers(f: Formulation) -> int:
+    """How many HiGHS or CBC searches to race on `f` (see race.py): one per core, up to
+    two, on a large problem; one otherwise."""
+    return min(2, available_cores()) if f.n_bool >= RACE_MIN_BINARIES else 1
+
+
+def _highs_search(
+    f, rhs, time_limit, gap, verbose, minimize_budget, start, pins, seed, progress, stop
+) -> _HighsOutcome:
+    """One HiGHS search with random seed `seed`; `stop()` (polled) interrupts it."""
+    import highspy
+
+    h = _highs_model(f, rhs, minimize_budget, pins=pins)
+    h.setOptionValue("output_flag", bool(verbose) and seed == 0)
+    h.setOptionValue("mip_rel_gap", float(gap))
+    h.setOptionValue("random_seed", seed)
+    if time_limit:
+        h.setOptionValue("time_limit", float(time_limit))
+    n_b = f.n_bool
+    if start is not None:
+        h.setSolution(n_b, np.arange(n_b, dtype=np.int32), start.astype(np.float64))
+
+    first, shown = [None], [None]
+    started = time.perf_counter()
+
+    def improved(event) -> None:
+        out = event.data_out
+        if first[0] is None:
+            first[0] = time.perf_counter() - started
+        if progress is None:
+            return
+        bound = out.mip_dual_bound
+        known = np.isfinite(bound) and np.isfinite(out.mip_gap)
+        if minimize_budget:  # the objective is the peak in MiB (plus a tiny time term)
+            line = f"smallest budget so far {out.objective_function_value * MIB / GIB:.4f} GB" + (
+                f"; bound {bound * MIB / GIB:.4f} GB" if known else ""
+            )
+            if line != shown[0]:  # not again for less recomputation at the same peak
+                shown[0] = line
+                progress(f"[{out.running_time:6.1f} s] {line}")
+            return
+        progress(
+            f"[{out.running_time:6.1f} s] schedule with {out.objective_function_value * MS:.3f}"
+            f" s of recomputation"
+            + (f"; bound {bound * MS:.3f} s, gap {out.mip_gap:.2%}" if known else "")
+        )
+
+    h.cbMipImprovingSolution.subscribe(improved)
+    if stop is not None:
+        h.cbMipInterrupt.subscribe(lambda event: event.interrupt() if stop() else None)
+    h.run()
+    model_status = h.getModelStatus()
+    message = h.modelStatusToString(model_status)
+    info = h.getInfo()
+    if model_status == highspy.HighsModelStatus.kInfeasible:
+        return _HighsOutcome("infeasible", None, np.inf, np.inf, message, first[0], seed)
+    if info.primal_solution_status != 2:  # no feasible point
+        return _HighsOutcome("error", None, np.inf, info.mip_dual_bound, message, first[0], seed)
+    x_val = np.round(np.asarray(h.getSolution().col_value[:n_b])).astype(int)
+    status = "optimal" if model_status == highspy.HighsModelStatus.kOptimal else "feasible"
+    return _HighsOutcome(
+        status, x_val, info.objective_function_value, info.mip_dual_bound, message, first[0],
+        seed,
+    )  # fmt: skip
+
+
+def _solve_highs(
+    f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, pins=None, workers=1
+):
+    """HiGHS through highspy (cvxpy's interface takes no start and reports no progress),
+    `workers` searches raced with different seeds: the first to finish wins; stopped by
+    the time limit, the best schedule and the best bound of all count."""
+
+    def run(seed, stop):
+        return _highs_search(
+            f, rhs, time_limit, gap, verbose, minimize_budget, start, pins, seed,
+            progress if seed == 0 else None, stop,
+        )  # fmt: skip
+
+    outcomes = race(run, workers, lambda o: o.status in ("optimal", "infeasible"))
+    if any(o.status == "infeasible" for o in outcomes):
+        return RawResult("infeasible", None, None, None, None, 0.0, "HIGHS")
+    found = [o for o in outcomes if o.x is not None]
+    if not found:
+        return RawResult("error", None, None, None, None, 0.0, "HIGHS", outcomes[0].message)
+    best = min(found, key=lambda o: o.objective)
+    bounds = [o.bound for o in outcomes if np.isfinite(o.bound)]
+    bound = max(bounds) if bounds else None  # each search's bound holds: the best counts
+    if progress is not None and best.seed != 0:
+        progress(f"the search with random seed {best.seed}, raced on another core, won")
+    proved = any(o.status == "optimal" for o in found)  # best is at most that one's
+    res = _finish(
+        f, best.x, "optimal" if proved else "feasible", bound,
+        relative_gap(best.objective, bound), gap, "HIGHS", minimize_budget,
+    )  # fmt: skip
+    firsts = [o.first_s for o in outcomes if o.first_s is not None]
+    res.first_feasible_s = min(firsts) if firsts else None
+    return res
