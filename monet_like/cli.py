@@ -599,7 +599,9 @@ def build_check_parser() -> argparse.ArgumentParser:
     p.add_argument("budget_gb", type=float, help="the budget the schedule was solved for (GB)")
     p.add_argument("mode", help="the mode it was solved in")
     p.add_argument("solver", help="the solver it was solved with")
-    p.add_argument("--solution_file", help="default: solutions/solution_<model>_...json")
+    p.add_argument(
+        "--solution_file", help="a file or zoo:NAME (default: solutions/solution_<model>_...json)"
+    )
     p.add_argument("--input_shape", help="per-sample input shape without batch, e.g. 3,224,224")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default=None)
