@@ -179,6 +179,7 @@ class Replayed:
     nodes: int
 
     lstm: bool = False  # the model holds a CPU LSTM (its replay runs native kernels)
+    min_budget_bytes: int | None = None  # the smallest feasible budget found, where searched
 
     def exact(self) -> bool:
         """Bitwise where the replay runs eager's kernels; within VARIANT_TOLERANCE of eager
@@ -241,5 +242,5 @@ def replay_entry(
         wrapped = ScheduleWrapper(spec.build(), path, input_shape)
         lstm = x.device.type == "cpu" and any(isinstance(m, nn.LSTM) for m in model.modules())
         peak = measured_peak(wrapped, x)
-        rows.append(Replayed(fraction, sol, diff, peak, len(compiled.graph.nodes), lstm))
+        rows.append(Replayed(fraction, sol, diff, peak, len(compiled.graph.nodes), lstm, low))
     return rows

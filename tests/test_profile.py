@@ -85,12 +85,9 @@ def test_scaled_profile_measures_workspace_at_the_solved_batch_when_it_fits(monk
 def _inflated(monkeypatch, profile_module):
     """Make every fitted workspace figure 3x + 1 MiB what the fit gives: what a fit that
     misses a library's change of method at the solved batch looks like."""
-    fit = profile_module._extrapolate
-    monkeypatch.setattr(
-        profile_module,
-        "_extrapolate",
-        lambda *a: [3 * w + 2**20 for w in fit(*a)],
-    )
+    fit = profile_module.workspace._extrapolate
+    for module in (profile_module, profile_module.algorithms):  # the step's, the options'
+        monkeypatch.setattr(module, "_extrapolate", lambda *a: [3 * w + 2**20 for w in fit(*a)])
 
 
 def test_fitted_workspace_of_large_ops_is_measured_alone_at_the_solved_batch(monkeypatch):
@@ -108,7 +105,7 @@ def test_fitted_workspace_of_large_ops_is_measured_alone_at_the_solved_batch(mon
     direct = profile(model, graph, profile_batch=8, repeats=1, use_cache=False, progress=False)
     real = dict(direct.op_workspace)
     threshold = 2**20 + max(real.values())  # above every fitted 3w + 1 MiB with w = 0
-    monkeypatch.setattr(profile_module, "OP_REMEASURE_BYTES", threshold)
+    monkeypatch.setattr(profile_module.workspace, "OP_REMEASURE_BYTES", threshold)
     fitted = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
     got = dict(fitted.op_workspace)
     large = [i for i, w in got.items() if i in real and real[i] > 0 and got[i] == real[i]]
@@ -136,14 +133,14 @@ def test_an_op_measured_alone_may_take_most_of_the_free_memory_and_one_that_cann
     direct = profile(model, graph, profile_batch=8, repeats=1, use_cache=False, progress=False)
     conv = next(op for op in graph.ops if op.target == "aten.convolution.default")
     real = dict(direct.op_workspace).get(conv.index, 0)
-    monkeypatch.setattr(profile_module, "OP_REMEASURE_BYTES", 2**20)
+    monkeypatch.setattr(profile_module.workspace, "OP_REMEASURE_BYTES", 2**20)
     workspace = [0] * len(graph.ops)
     workspace[conv.index] = 3 * real + 2**20  # a fit that missed: above the threshold
     touched = sum(graph.storages[i].nbytes for i in {*conv.reads, *conv.outputs})
     need = touched + workspace[conv.index]
 
     def alone_with_free(free):
-        monkeypatch.setattr(profile_module, "_available_memory_bytes", lambda: free)
+        monkeypatch.setattr(profile_module.workspace, "_available_memory_bytes", lambda: free)
         trial = list(workspace)
         measured, too_large = profile_module._remeasure_alone(graph, torch.device("cpu"), trial)
         return trial, measured, too_large
@@ -185,8 +182,8 @@ def test_convolution_algorithms_workspace_at_the_solved_batch(
     from monet_like import profile as profile_module
     from monet_like.variants import apply
 
-    monkeypatch.setattr(profile_module, "ALGORITHM_TIMING_FLOPS", timing_flops)
-    monkeypatch.setattr(profile_module, "ALGORITHM_WORKSPACE_FLOPS", workspace_flops)
+    monkeypatch.setattr(profile_module.algorithms, "ALGORITHM_TIMING_FLOPS", timing_flops)
+    monkeypatch.setattr(profile_module.algorithms, "ALGORITHM_WORKSPACE_FLOPS", workspace_flops)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
     graph = apply(capture(model, (3, 16, 16), 8), "conv")
     p = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
@@ -214,8 +211,8 @@ def test_batch_chunk_options_workspace_fitted_from_batches_smaller_than_the_chun
     graph = apply(capture(model, (8, 24, 24), 32), "conv")
 
     def options(timing_flops, workspace_flops):
-        monkeypatch.setattr(profile_module, "ALGORITHM_TIMING_FLOPS", timing_flops)
-        monkeypatch.setattr(profile_module, "ALGORITHM_WORKSPACE_FLOPS", workspace_flops)
+        monkeypatch.setattr(profile_module.algorithms, "ALGORITHM_TIMING_FLOPS", timing_flops)
+        monkeypatch.setattr(profile_module.algorithms, "ALGORITHM_WORKSPACE_FLOPS", workspace_flops)
         p = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
         return p.algorithms
 
@@ -241,8 +238,8 @@ def test_pytorchs_convolution_algorithm_takes_the_steps_workspace_at_the_solved_
     from monet_like.profile import algorithm_workspace, backward_option, option
     from monet_like.variants import algorithm_sites, apply
 
-    monkeypatch.setattr(profile_module, "ALGORITHM_TIMING_FLOPS", 1)
-    monkeypatch.setattr(profile_module, "ALGORITHM_WORKSPACE_FLOPS", 1)
+    monkeypatch.setattr(profile_module.algorithms, "ALGORITHM_TIMING_FLOPS", 1)
+    monkeypatch.setattr(profile_module.algorithms, "ALGORITHM_WORKSPACE_FLOPS", 1)
     monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: True)
     _inflated(monkeypatch, profile_module)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))

@@ -1,0 +1,282 @@
+"""Stage 2: measure each node's time and workspace on the device in use.
+
+Bytes come from the graph (exact, from shapes, at the full batch). Times and
+workspace are measured by running the captured joint graph op by op on real
+tensors: a warm-up run, then `repeats` timed runs, the median kept per op; one
+more run under torch.profiler with memory recording gives each op's workspace
+(the peak of what it allocates while it runs, above what it returns). On CUDA,
+times come from CUDA events and workspace from the allocator's peak statistics.
+
+On a slow device the profile may be taken at a smaller batch than the one solved
+for; times are then measured at a second batch too and extrapolated per op as
+a + b * batch (per-op overhead does not grow with the batch), and the profile says so
+(`scaled`, `profile_batch`). Where no second batch fits (the batch is 1 or 2), times
+scale linearly. Workspace is not linear in the batch (a library picks its blocking by
+shape), so on CPU it is measured in one run at the solved batch when that run fits in
+half the available memory; otherwise it is fitted like the times, and every op whose
+fitted figure is large is then run alone at the solved batch and measured. Convolution
+algorithms (conv mode) are timed apart, at or near the solved batch: see
+`_algorithm_options`.
+Profiles are cached on disk as JSON, keyed by graph fingerprint, profile batch,
+dtype, device and torch version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from monet_like.errors import UserError
+from monet_like.files import atomic_write, cache_dir
+from monet_like.graph import Graph, capture, tangents_for
+from monet_like.profile.algorithms import (
+    _algorithm_options,
+    _aten_options_take,
+    algorithm_workspace,
+    backward_option,
+    option,
+)
+from monet_like.profile.align import _with_op_times, align_times, derived_profile
+from monet_like.profile.timing import _bar_hidden, _median_times, _OpRunner
+from monet_like.profile.types import (
+    PROFILE_FORMAT,
+    NodeProfile,
+    Profile,
+    _node_profiles,
+    device_name,
+)
+from monet_like.profile.workspace import (
+    _extrapolate,
+    _extrapolate_float,
+    _fits_in_memory,
+    _remeasure_alone,
+    _workspace_cpu,
+    _workspace_cuda,
+    _workspace_of,
+)
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "SHIPPED_PROFILES",
+    "NodeProfile",
+    "Profile",
+    "_with_op_times",
+    "_workspace_of",
+    "algorithm_workspace",
+    "align_times",
+    "backward_option",
+    "cache_path",
+    "derived_profile",
+    "device_name",
+    "option",
+    "profile",
+]
+
+# Profiles the solution zoo was solved from (solutions/profiles/), read like the cache's.
+SHIPPED_PROFILES = Path(__file__).resolve().parents[2] / "solutions" / "profiles"
+
+
+def cache_path(graph: Graph, profile_batch: int, device: torch.device) -> Path:
+    """Where `graph`'s profile at `profile_batch` on `device` is cached."""
+    return cache_dir() / "profiles" / f"{_cache_key(graph, profile_batch, device)}.json"
+
+
+def _cache_key(graph: Graph, profile_batch: int, device: torch.device) -> str:
+    text = "|".join(
+        [graph.fingerprint, str(profile_batch), graph.dtype, device_name(device), torch.__version__]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _real_args(model: nn.Module, graph: Graph, device: torch.device, dtype: torch.dtype):
+    """Placeholders for the joint graph: parameters, copies of buffers, input, tangents."""
+    from monet_like.graph import make_input
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def prep(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().to(device)
+        return t.to(dtype) if t.is_floating_point() else t
+
+    params = [prep(p) for p in model.parameters()]
+    x = make_input(model, graph.input_shape, graph.batch, dtype, "cpu", gen).to(device)
+    tangents = tangents_for(graph, device)
+
+    def fresh():  # buffers are updated in place by BatchNorm: never touch the model's
+        return [*params, *[prep(b).clone() for b in model.buffers()], x, *tangents]
+
+    return fresh
+
+
+def profile(
+    model: nn.Module,
+    graph: Graph,
+    profile_batch: int | None = None,
+    device: str | torch.device | None = None,
+    repeats: int = 3,
+    use_cache: bool = True,
+    progress: bool | None = None,
+) -> Profile:
+    """Measure per-node times and workspace of `graph` (captured from `model`).
+
+    `model` must hold real parameters (not "meta"). `profile_batch` defaults to the
+    graph's batch on CUDA and to min(batch, 4) on CPU.
+    """
+    device = torch.device(device or graph.device)
+    dtype = getattr(torch, graph.dtype)
+    if profile_batch is None:
+        profile_batch = graph.batch if device.type == "cuda" else min(graph.batch, 4)
+    if not 1 <= profile_batch <= graph.batch:
+        raise UserError(f"profile batch must be between 1 and {graph.batch}, got {profile_batch}")
+    if any(p.is_meta for p in model.parameters()):
+        raise UserError("the profiler needs a model with real parameters, not one on 'meta'")
+
+    path = cache_path(graph, profile_batch, device)
+    shipped = SHIPPED_PROFILES / path.name  # the zoo's, for its models (read-only)
+    for source in (path, shipped) if use_cache else ():
+        if not source.exists():
+            continue
+        try:
+            cached = Profile.from_json(source.read_text())
+            cached.cached = True
+            return cached
+        except (ValueError, KeyError, TypeError):
+            if source == path:
+                path.unlink(missing_ok=True)  # unreadable or older format: profile again
+
+    started = time.perf_counter()
+
+    def graph_at(batch: int) -> Graph:
+        if batch == graph.batch:
+            if graph.fx is None:
+                raise UserError("this graph carries no traced module to run: capture it again")
+            return graph
+        from monet_like.variants import apply as apply_variants
+
+        other = capture(
+            model,
+            graph.input_shape,
+            batch,
+            dtype,
+            device,
+            graph.model,
+            graph.input_grad,
+            graph.outputs_held,
+            None if graph.autocast is None else getattr(torch, graph.autocast),
+        )
+        other = apply_variants(other, graph.variants)
+        if [o.target for o in other.ops] != [o.target for o in graph.ops]:
+            raise UserError(
+                f"the graph at batch {batch} differs from the one at batch {graph.batch} "
+                f"(batch-dependent control flow?): profile with --profile_batch {graph.batch}"
+            )
+        return other
+
+    def workspace_at(g: Graph) -> tuple[list[int], str]:
+        runner = _OpRunner(g, device)
+        args = _real_args(model, g, device, dtype)()
+        if device.type == "cuda":
+            return _workspace_cuda(runner, args)
+        return _workspace_cpu(runner, args)
+
+    from tqdm import tqdm
+
+    scaled = profile_batch != graph.batch
+    every_op = {op.index for op in graph.ops}
+    at_batch: set[int] = set() if scaled else every_op  # ops whose workspace is measured there
+    small = graph_at(profile_batch)
+    runner = _OpRunner(small, device)
+    args_fn = _real_args(model, small, device, dtype)
+    bar = tqdm(
+        total=repeats + 2 + scaled,
+        desc=f"profiling {graph.model} at batch {profile_batch} on {device_name(device)}",
+        unit="run",
+        disable=_bar_hidden(progress),
+    )
+    try:
+        times = _median_times(runner, args_fn, repeats, bar.update)
+        time_fit = False
+        workspace, method = workspace_at(small)
+        bar.update(1)
+        if scaled:
+            other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
+            other_graph = graph_at(other_batch) if other_batch != profile_batch else None
+            if graph.fx is not None and _fits_in_memory(graph, device):
+                # Workspace is not linear in the batch (a library picks its blocking by
+                # shape): ResNet-50 at 224 px, batch 16, fitted from batches 4 and 8,
+                # came out 0.34 MiB under the measured peak. Measure it where it is used.
+                workspace, method = workspace_at(graph)
+                method += f", at batch {graph.batch}"
+                at_batch = every_op
+            elif other_graph is not None:
+                # A weight reorder does not grow with the batch: fit each op's a + b * batch.
+                other, _ = workspace_at(other_graph)
+                workspace = _extrapolate(workspace, profile_batch, other, other_batch, graph.batch)
+                method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
+                if graph.fx is not None:
+                    alone, too_large = _remeasure_alone(graph, device, workspace, progress)
+                    at_batch = set(alone)
+                    method += f"; {len(at_batch)} large ops measured alone at batch {graph.batch}"
+                    if too_large:
+                        names = ", ".join(too_large)
+                        method += f"; left as fitted, too large for the memory free: {names}"
+            if other_graph is not None:
+                # Times: a small batch is dominated by per-op overhead, which a
+                # linear scaling would multiply along with the real work.
+                other_runner = _OpRunner(other_graph, device)
+                other_args = _real_args(model, other_graph, device, dtype)
+                other_times = _median_times(other_runner, other_args, repeats, lambda _n: None)
+                times = _extrapolate_float(
+                    times, profile_batch, other_times, other_batch, graph.batch
+                )
+                time_fit = True
+            bar.update(1)
+    except (RuntimeError, NotImplementedError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"{graph.model} cannot run in {graph.dtype} on {device_name(device)}: {first}"
+        ) from None
+    finally:
+        bar.close()
+
+    scale = 1.0 if time_fit or not scaled else graph.batch / profile_batch
+    from monet_like.variants import algorithm_sites
+
+    algorithms: dict = {}
+    if graph.fx is not None and algorithm_sites(graph):
+        with torch.no_grad():
+            algorithms = _algorithm_options(graph, device, profile_batch, repeats, progress)
+        # One figure per convolution op, so that the store-all prediction and the solver's
+        # options agree: the step's where it was measured at the solved batch (the
+        # options' own may be fitted from small batches), else the options'.
+        _aten_options_take(graph, algorithms, workspace, at_batch)
+        for i, w in algorithm_workspace(graph, algorithms, {}).items():
+            workspace[i] = w
+    op_times = [t * scale for t in times]
+    nodes = _node_profiles(graph, workspace)  # times: from op_times, by _with_op_times
+    result = Profile(
+        format=PROFILE_FORMAT,
+        model=graph.model,
+        fingerprint=graph.fingerprint,
+        batch=graph.batch,
+        profile_batch=profile_batch,
+        scaled=scaled,
+        input_shape=graph.input_shape,
+        dtype=graph.dtype,
+        device=device_name(device),
+        torch_version=torch.__version__,
+        repeats=repeats,
+        workspace_method=method,
+        nodes=nodes,
+        op_workspace=[(i, w) for i, w in enumerate(workspace) if w > 0],
+        profile_seconds=time.perf_counter() - started,
+        algorithms=algorithms,
+    )
+    result = _with_op_times(result, graph, op_times)
+    if use_cache:  # a unique temporary file renamed over it: never half a profile
+        atomic_write(path, result.to_json())
+    return result

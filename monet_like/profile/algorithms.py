@@ -1,0 +1,247 @@
+"""Convolution algorithms (conv mode): each site's options timed at or near the solved
+batch, their workspace measured or fitted, and the figures the solver reads."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+
+from monet_like.graph import Graph
+from monet_like.profile.timing import _bar_hidden, _fastest_interleaved
+from monet_like.profile.workspace import _extrapolate, _workspace_of
+
+
+def option(rows: list[list], algo: int) -> tuple[float, int]:
+    """(seconds, workspace bytes) of algorithm `algo` among one direction's measured rows."""
+    return next((t, ws) for a, t, ws in rows if a == algo)
+
+
+def backward_option(options: dict[str, list[list]], data: int, weight: int) -> tuple[float, int]:
+    """(seconds, workspace bytes) of a convolution's backward with these algorithms: its
+    parts run one after the other (times add, the larger workspace counts), except
+    PyTorch's own choice for both, one call, measured as such ("both")."""
+    if (data, weight) == (-1, -1) and "both" in options:
+        return option(options["both"], -1)
+    parts = [option(options[d], a) for d, a in (("data", data), ("weight", weight)) if d in options]
+    return sum(t for t, _ in parts), max((ws for _, ws in parts), default=0)
+
+
+def _measured_sites(graph: Graph, measured: dict[str, dict[str, list[list]]]):
+    """(site id, its options, forward op index, backward op index or None) of every
+    convolution site of `graph` with options in `measured`."""
+    from monet_like.variants import algorithm_sites
+
+    op_index = {op.name: op.index for op in graph.ops}
+    for site in algorithm_sites(graph):
+        options = measured.get(site["id"])
+        if options is not None:
+            yield site["id"], options, op_index[site["forward"][0]], op_index.get(site["backward"])
+
+
+def algorithm_workspace(
+    graph: Graph, measured: dict[str, dict[str, list[list]]], chosen: dict[str, list[int]]
+) -> dict[int, int]:
+    """Op index -> workspace bytes of every measured convolution op of `graph`, with the
+    algorithms `chosen` for it (site -> [forward, backward-data, backward-weight]; -1,
+    PyTorch's own, for a site not named)."""
+    workspace = {}
+    for site, options, forward_op, backward_op in _measured_sites(graph, measured):
+        forward, data, weight = chosen.get(site, (-1, -1, -1))
+        workspace[forward_op] = option(options["forward"], forward)[1]
+        if backward_op is not None:
+            workspace[backward_op] = backward_option(options, data, weight)[1]
+    return workspace
+
+
+def _aten_options_take(
+    graph: Graph, measured: dict[str, dict[str, list[list]]], workspace: list[int], ops: set[int]
+) -> None:
+    """Set the workspace of PyTorch's own algorithm (-1) in each convolution site's
+    `measured` options to the step's `workspace` at that op, for the op indices in `ops`:
+    the forward, and the backward as the step runs it (both parts in one call, or the
+    one part its gradient mask asks for)."""
+    for _, options, forward_op, backward_op in _measured_sites(graph, measured):
+        steps = [("forward", forward_op)]
+        if backward_op is not None:
+            parts = [d for d in ("both", "data", "weight") if d in options]
+            if parts and (parts[0] == "both" or len(parts) == 1):
+                steps.append((parts[0], backward_op))
+        for direction, i in steps:
+            if i in ops:
+                for row in options[direction]:
+                    if row[0] == -1:
+                        row[2] = workspace[i]
+
+
+# A convolution's algorithms are timed at the graph's batch, or at a smaller one when a
+# forward call would cost more than this many floating-point operations: timing the
+# choice at the batch it is for, not extrapolating small batches' times (an error at two
+# small batches grows with the distance to the real one).
+ALGORITHM_TIMING_FLOPS = 1e9
+
+
+# Their workspace is measured at the graph's batch when one call there costs at most this
+# many; otherwise it is fitted as a + b * batch from two smaller batches.
+ALGORITHM_WORKSPACE_FLOPS = 1e10
+
+
+def _conv_flops(w_shape, y_shape, batch: int) -> int:
+    return 2 * batch * math.prod(y_shape[1:]) * math.prod(w_shape[1:])
+
+
+def _timing_batch(w_shape, y_shape, batch: int, least: int) -> int:
+    """The batch a convolution's algorithms are timed at (see ALGORITHM_TIMING_FLOPS)."""
+    per_sample = _conv_flops(w_shape, y_shape, 1)
+    return max(least, min(batch, int(ALGORITHM_TIMING_FLOPS // max(per_sample, 1))))
+
+
+def _site_calls(site: dict, nodes: dict, rows: int, device: torch.device, gen) -> dict:
+    """Direction -> [(algorithm, call)] for one convolution site (variants.conv) on random
+    tensors of its shapes with `rows` samples: "forward", "data" and "weight" (each part
+    of the backward alone, the other part PyTorch's), and "both" (PyTorch's choice for
+    the whole backward, one call, as autograd runs it)."""
+    ops = torch.ops.monet_like
+
+    def real(node, batch_dim: bool) -> torch.Tensor | None:
+        if node is None:
+            return None
+        v = node.meta["val"]
+        shape = [rows, *v.shape[1:]] if batch_dim else list(v.shape)
+        # laid out as in the graph (a channels-last input takes other algorithms)
+        order = sorted(range(v.dim()), key=lambda d: -v.stride(d))
+        dense = torch.randn([shape[d] for d in order], generator=gen, dtype=v.dtype)
+        return dense.permute([order.index(d) for d in range(v.dim())]).to(device)
+
+    fwd = nodes[site["forward"][0]]
+    x_node, w_node, b_node, stride, padding, dilation, groups, _ = fwd.args
+    x, w, b = real(x_node, True), real(w_node, False), real(b_node, False)
+    geometry = (stride, padding, dilation, groups)
+    flat = list(ops.conv2d_algorithms(x, w, *geometry))
+    n_fwd, n_data = flat[0], flat[flat[0] + 1]
+    choices = {
+        "forward": flat[1 : 1 + n_fwd],
+        "data": flat[n_fwd + 2 : n_fwd + 2 + n_data],
+        "weight": flat[n_fwd + n_data + 3 :],
+    }
+    forward = partial(ops.conv2d_algo, x, w, b, *geometry)
+    calls = {"forward": [(a, partial(forward, a)) for a in choices["forward"]]}
+    if site["backward"]:
+        grad = _like_in_graph(torch.randn_like(forward(-1)), nodes[site["backward"]].args[0])
+        mask = nodes[site["backward"]].args[7]
+        backward = partial(ops.conv2d_backward_algo, grad, x, w, *geometry)
+        for k, direction in enumerate(("data", "weight")):
+            if mask[k]:
+                parts = [k == 0, k == 1, False]
+                pair = (lambda a: (a, -1)) if k == 0 else (lambda a: (-1, a))
+                calls[direction] = [
+                    (a, partial(backward, parts, *pair(a))) for a in choices[direction]
+                ]
+        if mask[0] and mask[1]:
+            calls["both"] = [(-1, partial(backward, [True, True, False], -1, -1))]
+    return calls
+
+
+def _like_in_graph(value: torch.Tensor, node: torch.fx.Node) -> torch.Tensor:
+    """`value` laid out as the graph's `node` is: broadcast along the dimensions `node`
+    is expanded in (stride 0), such as the gradient of a sum reaching a network's last
+    convolution, which the im2col backward then copies whole in each of its parts (an
+    uncounted 8 KiB above the prediction in a one-thread test, where a contiguous
+    gradient had been measured)."""
+    meta = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(meta, torch.Tensor) or meta.dim() != value.dim():
+        return value
+    expanded = [d for d in range(meta.dim()) if meta.stride(d) == 0 and meta.shape[d] > 1]
+    if not expanded:
+        return value
+    index = tuple(slice(0, 1) if d in expanded else slice(None) for d in range(value.dim()))
+    return value[index].contiguous().expand(value.shape)
+
+
+def _fit_chunked(
+    keys: list[tuple[str, int]],
+    ws1: list[int],
+    b1: int,
+    ws2: list[int],
+    b2: int,
+    fitted: list[int],
+    fwd: torch.fx.Node,
+    batch: int,
+) -> None:
+    """Fitted workspace of the batch-chunk options (algorithm -k, see csrc/ops.cpp), set
+    in `fitted`: where a measured batch had fewer than k samples the call ran one per
+    sample there, and its line says nothing of a chunk of batch / k at the solved batch
+    (VGG-16's first layers at 4 and 8 gave 0.03 GB for 8 chunks of 22). A chunk runs
+    PyTorch's algorithm on batch / k samples, then its result is copied into the whole
+    output: the -1 option's line at that batch, plus one chunk's result (the layer's
+    output in the forward, its input's gradient in the backward-data part)."""
+    rows = {key: i for i, key in enumerate(keys)}
+    x_val, y_val = fwd.args[0].meta["val"], fwd.meta["val"]
+    result = {"forward": y_val, "data": x_val}
+    for (direction, algo), i in rows.items():
+        k = -algo
+        if algo > -2 or min(b1, b2) >= k or (direction, -1) not in rows:
+            continue
+        whole = rows[(direction, -1)]
+        rows_per_chunk = -(-batch // k)
+        (line,) = _extrapolate([ws1[whole]], b1, [ws2[whole]], b2, rows_per_chunk)
+        value = result.get(direction)
+        chunk_result = 0
+        if value is not None:
+            chunk_result = value.numel() // value.shape[0] * rows_per_chunk * value.element_size()
+        fitted[i] = line + chunk_result
+
+
+def _algorithm_options(
+    graph: Graph,
+    device: torch.device,
+    profile_batch: int,
+    repeats: int,
+    progress: bool | None = None,
+) -> dict[str, dict[str, list[list]]]:
+    """Every algorithm of every convolution site (variants.conv), run alone on random
+    tensors of the site's shapes: [algorithm, seconds, workspace bytes] at the graph's
+    batch. Times: the algorithms of a site run in turn, `repeats` rounds (at least 3),
+    at the graph's batch or the largest below it that ALGORITHM_TIMING_FLOPS allows,
+    then scaled linearly to it (only their ratios are used: problem.AlgorithmChoice).
+    Workspace: measured at the graph's batch where ALGORITHM_WORKSPACE_FLOPS allows, else
+    at the timing batch and a second one, fitted as a + b * batch."""
+    from tqdm import tqdm
+
+    from monet_like.variants import algorithm_sites
+
+    nodes = {n.name: n for n in graph.fx.graph.nodes}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    out: dict[str, dict[str, list[list]]] = {}
+    sites = algorithm_sites(graph)
+    bar = tqdm(
+        sites, desc="timing convolution algorithms", unit="conv", disable=_bar_hidden(progress)
+    )
+    for site in bar:
+        fwd = nodes[site["forward"][0]]
+        weight_shape, out_shape = fwd.args[1].meta["val"].shape, fwd.meta["val"].shape
+        timed_at = _timing_batch(weight_shape, out_shape, graph.batch, profile_batch)
+        calls = _site_calls(site, nodes, timed_at, device, gen)
+        keys = [(d, a) for d, rows in calls.items() for a, _ in rows]
+        flat = [c for rows in calls.values() for _, c in rows]
+        seconds = _fastest_interleaved(flat, device, max(repeats, 3))
+        workspace = [_workspace_of(c, device) for c in flat]
+        if timed_at != graph.batch and _conv_flops(weight_shape, out_shape, graph.batch) <= (
+            ALGORITHM_WORKSPACE_FLOPS
+        ):  # measured where it is used: workspace is not linear in the batch
+            at_batch = _site_calls(site, nodes, graph.batch, device, gen)
+            workspace = [_workspace_of(c, device) for rows in at_batch.values() for _, c in rows]
+        else:
+            second = profile_batch if timed_at != profile_batch else min(2 * timed_at, graph.batch)
+            if second != timed_at:
+                others = _site_calls(site, nodes, second, device, gen)
+                other_ws = [_workspace_of(c, device) for rows in others.values() for _, c in rows]
+                fitted = _extrapolate(workspace, timed_at, other_ws, second, graph.batch)
+                _fit_chunked(keys, workspace, timed_at, other_ws, second, fitted, fwd, graph.batch)
+                workspace = fitted
+        entry: dict[str, list[list]] = {}
+        for (direction, algo), t, ws in zip(keys, seconds, workspace, strict=True):
+            entry.setdefault(direction, []).append([algo, t * graph.batch / timed_at, ws])
+        out[site["id"]] = entry
+    return out

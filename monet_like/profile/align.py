@@ -1,0 +1,154 @@
+"""Profiles of two graphs of one model (a mode's variants and the captured graph):
+their common ops' times aligned, and a profile derived for a graph from another's."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+from monet_like.graph import BACKWARD, FORWARD, Graph
+from monet_like.profile.algorithms import algorithm_workspace
+from monet_like.profile.types import Profile, _node_profiles
+
+
+def _with_op_times(prof: Profile, graph: Graph, op_times: list[float]) -> Profile:
+    """`prof` with every time derived from `op_times` (seconds per op index of `graph`):
+    each node's forward (and recompute) and backward, and the step's totals."""
+    nodes = {n.id: n for n in graph.nodes}
+    timed = []
+    for n in prof.nodes:
+        fwd = sum(op_times[i] for i in nodes[n.node].ops)
+        bwd = sum(op_times[i] for i in nodes[n.node].backward_ops)
+        timed.append(replace(n, forward_s=fwd, backward_s=bwd, recompute_s=fwd))
+    return replace(
+        prof,
+        nodes=timed,
+        op_times_s=list(op_times),
+        op_forward_s=sum(op_times[o.index] for o in graph.ops if o.phase == FORWARD),
+        op_backward_s=sum(op_times[o.index] for o in graph.ops if o.phase == BACKWARD),
+    )
+
+
+def align_times(prof: Profile, graph: Graph, reference: Profile, captured: Graph) -> Profile:
+    """`prof` (of `graph`, the captured graph with variants rewritten in) with its times
+    put on the same footing as `reference` (of `captured`), so that the two graphs'
+    schedules can be compared by time.
+
+    Two profiles taken minutes apart on a shared machine differ by more than the
+    variants change (ResNet-50's store-all step: 24 s in one, 32 s in the next, the same
+    kernels). Here every op both graphs run takes the reference's time: the same name and
+    aten op, or a convolution rewritten for `conv`, which the step runs with PyTorch's
+    own algorithm (the solver scales the other algorithms' times from it). Each op only
+    `graph` runs (a variant's) takes its own time times the ratio of the reference's to
+    `prof`'s over the common ops: the machine's speed during the one profile against
+    the other. A profile without per-op times, or one already aligned to `reference`,
+    is returned as it is."""
+    n = len(getattr(graph, "ops", ()))
+    own, theirs_s = getattr(prof, "op_times_s", ()), getattr(reference, "op_times_s", ())
+    if not n or len(own) != n or len(theirs_s) != len(captured.ops):
+        return prof
+    common = {i: theirs_s[j] for i, j in _counterparts(graph, captured).items()}
+    own_common = sum(own[i] for i in common)
+    speed = sum(common.values()) / own_common if own_common > 0 else 1.0
+    times = [common.get(i, t * speed) for i, t in enumerate(own)]
+    if prof.aligned and times == own:
+        return prof
+    aligned = _with_op_times(prof, graph, times)
+    return replace(
+        aligned,
+        aligned=f"{len(common)} of {n} ops timed as in the captured graph's profile,"
+        f" the other {n - len(common)} scaled by {speed:.3f}",
+    )
+
+
+def _counterparts(graph: Graph, captured: Graph) -> dict[int, int]:
+    """Op index in `graph` -> index of the op of `captured` (the graph it was rewritten
+    from) that does the same work: the same name and aten op, or a `conv` site's
+    convolution or its backward, which the profiled step runs with PyTorch's own
+    algorithm, mapped to the aten op it replaced. Ops only `graph` runs are absent."""
+    theirs = {o.name: o for o in captured.ops}
+    same_work = _same_work(graph)
+    found = {}
+    for o in graph.ops:
+        match = theirs.get(o.name)
+        if match is None or str(match.target) != str(o.target):
+            match = theirs.get(same_work.get(o.name, ""))
+        if match is not None:
+            found[o.index] = match.index
+    return found
+
+
+def _same_work(graph: Graph) -> dict[str, str]:
+    """Ops of `graph` (by name) that run the same kernel as an op of the graph it was
+    rewritten from: the convolutions of `conv` sites (PyTorch's algorithm in the step),
+    mapped to the aten convolution each replaced."""
+    from monet_like.variants import algorithm_sites
+
+    if graph.fx is None:
+        return {}
+    nodes = {n.name: n for n in graph.fx.graph.nodes}
+    found = {}
+    for site in algorithm_sites(graph):
+        for name in (site["forward"][0], site["backward"]):
+            replaced = nodes[name].meta.get("replaces", []) if name in nodes else []
+            if replaced:
+                found[name] = replaced[0]  # the captured op, before any rewrite
+    return found
+
+
+def derived_profile(
+    graph: Graph, captured: Graph, reference: Profile, measured: Profile, measured_graph: Graph
+) -> Profile | None:
+    """A profile of `graph` (the captured graph with only `conv` rewritten in) built from
+    measurements already taken: every op's time and workspace from `reference` (the
+    captured graph's profile; a convolution site runs PyTorch's algorithm in the step,
+    the kernel the captured op ran), and each convolution's algorithm options from
+    `measured`, the profile of `measured_graph`, another rewrite of the same captured
+    graph with `conv` in it (the sites matched through the captured op each replaced).
+    None when an op of `graph` or one of its sites has no counterpart there.
+
+    The full mode's solve uses it to weigh the convolution algorithms without the
+    mode's other variants, without a third profile."""
+    ref_times = getattr(reference, "op_times_s", ())
+    counterpart = _counterparts(graph, captured)
+    if len(ref_times) != len(captured.ops) or len(counterpart) != len(graph.ops):
+        return None
+    ref_workspace = dict(reference.op_workspace)
+    source = [counterpart[o.index] for o in graph.ops]  # the captured op each runs as
+    same_work = _same_work(graph)
+    # a site's options, keyed by the captured convolution it replaced
+    measured_same = _same_work(measured_graph)
+    by_captured = {
+        measured_same[site_id]: options
+        for site_id, options in measured.algorithms.items()
+        if site_id in measured_same
+    }
+    from monet_like.variants import algorithm_sites
+
+    algorithms = {}
+    for site in algorithm_sites(graph):
+        options = by_captured.get(same_work.get(site["id"], ""))
+        if options is None:
+            return None
+        if site["backward"] and not {"both", "data", "weight"} & set(options):
+            # Measured there without its backward (a rewrite that left a site unpaired,
+            # as the conv pass once did in MobileNetV2's full mode): options without one
+            # would price this graph's backward at nothing. It runs PyTorch's choice.
+            continue
+        algorithms[site["id"]] = copy.deepcopy(options)
+    workspace = [ref_workspace.get(i, 0) for i in source]
+    for i, w in algorithm_workspace(graph, algorithms, {}).items():
+        workspace[i] = w
+    nodes = _node_profiles(graph, workspace)
+    derived = replace(
+        reference,
+        fingerprint=graph.fingerprint,
+        nodes=nodes,
+        op_workspace=[(i, w) for i, w in enumerate(workspace) if w > 0],
+        algorithms=algorithms,
+        profile_seconds=0.0,
+        aligned="every op timed as in the captured graph's profile; the convolution"
+        " algorithms' options from the mode's profile",
+        cached=False,
+    )
+    return _with_op_times(derived, graph, [ref_times[i] for i in source])

@@ -1,0 +1,122 @@
+"""The profile's types: per node (NodeProfile) and per graph (Profile), as cached."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from monet_like.graph import Graph
+from monet_like.profile.algorithms import algorithm_workspace
+
+PROFILE_FORMAT = 14  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    node: int
+    name: str
+    kind: str
+    module: str
+    output_bytes: int
+    forward_s: float  # the node's forward ops (compute op and its views)
+    backward_s: float  # the backward ops autograd runs for it
+    recompute_s: float  # running its forward again during backward
+    workspace_bytes: int  # transient bytes of its forward compute op
+    backward_workspace_bytes: int  # largest transient bytes among its backward ops
+
+
+@dataclass
+class Profile:
+    format: int
+    model: str
+    fingerprint: str  # of the graph at the full batch
+    batch: int
+    profile_batch: int
+    scaled: bool  # times and workspace scaled by batch / profile_batch
+    input_shape: tuple[int, ...]
+    dtype: str
+    device: str
+    torch_version: str
+    repeats: int
+    workspace_method: str
+    nodes: list[NodeProfile]
+    op_workspace: list[tuple[int, int]] = field(default_factory=list)  # (op index, bytes) > 0
+    op_forward_s: float = 0.0  # whole-step totals over every op, attributed or not
+    op_backward_s: float = 0.0
+    profile_seconds: float = 0.0
+    # conv mode: per convolution site, per direction ("forward", "data", "weight"), the
+    # algorithms the device offers as [algorithm, seconds, workspace bytes]; "both": the
+    # backward with PyTorch's choice for both parts, which runs as one call
+    algorithms: dict[str, dict[str, list[list]]] = field(default_factory=dict)
+    op_times_s: list[float] = field(default_factory=list)  # per op index, at the full batch
+    aligned: str = ""  # how `align_times` set the times against another graph's profile
+    cached: bool = field(default=False, compare=False)
+
+    def workspace_by_op(
+        self, graph: Graph | None = None, algorithms: dict[str, list[int]] | None = None
+    ) -> dict[int, int]:
+        """Transient bytes per op index of the graph, for `memory.store_all_timeline`.
+
+        With `graph`, each convolution whose algorithms were measured (conv mode) takes
+        the measured workspace of the algorithms in `algorithms` (site -> [forward,
+        backward-data, backward-weight]; PyTorch's own, -1, for a site not named)."""
+        workspace = dict(self.op_workspace)
+        if graph is not None:
+            workspace.update(algorithm_workspace(graph, self.algorithms, algorithms or {}))
+        return workspace
+
+    @property
+    def step_time_s(self) -> float:
+        return self.op_forward_s + self.op_backward_s
+
+    def to_dataframe(self):
+        import pandas as pd
+
+        return pd.DataFrame([asdict(n) for n in self.nodes])
+
+    def to_csv(self, path: str | os.PathLike) -> None:
+        self.to_dataframe().to_csv(path, index=False)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d.pop("cached")
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        d = json.loads(text)
+        if d.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"profile format {d.get('format')} is not {PROFILE_FORMAT}")
+        d["nodes"] = [NodeProfile(**n) for n in d["nodes"]]
+        d["input_shape"] = tuple(d["input_shape"])
+        d["op_workspace"] = [tuple(p) for p in d["op_workspace"]]
+        return cls(**d)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def _node_profiles(graph: Graph, workspace: list[int]) -> list[NodeProfile]:
+    """Each node's profile with its workspace from `workspace` (per op index) and its
+    times zero: `_with_op_times` fills them from per-op times."""
+    return [
+        NodeProfile(
+            node=n.id,
+            name=n.name,
+            kind=n.kind,
+            module=n.module,
+            output_bytes=n.output_bytes,
+            forward_s=0.0,
+            backward_s=0.0,
+            recompute_s=0.0,
+            workspace_bytes=workspace[n.op],
+            backward_workspace_bytes=max((workspace[i] for i in n.backward_ops), default=0),
+        )
+        for n in graph.nodes
+    ]

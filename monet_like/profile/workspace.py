@@ -1,0 +1,183 @@
+"""Workspace: the bytes an op allocates while it runs above what it returns, from the
+CPU allocator's events or the CUDA allocator's peak; fitted over the batch where the
+solved batch does not fit, and large ops then measured alone."""
+
+from __future__ import annotations
+
+import torch
+
+from monet_like.graph import Graph
+from monet_like.memory import allocation_peak, record_allocations, store_all_peak
+from monet_like.profile.timing import _bar_hidden, _OpRunner
+
+
+def _workspace_cpu(runner: _OpRunner, args) -> tuple[list[int], str]:
+    """Per op: peak bytes allocated while it runs minus what it still holds at its end."""
+    from torch.profiler import record_function
+
+    def on_op(idx, fn):
+        with record_function(f"monet_op:{idx}"):
+            return fn()
+
+    roots = record_allocations(lambda: runner.run(args, on_op))
+    workspace = [0] * len(runner.graph.ops)
+    if roots is None:  # the private API moved: say so rather than guess
+        return workspace, "unavailable"
+    stack = list(roots)
+    while stack:
+        ev = stack.pop()
+        if ev.name.startswith("monet_op:"):
+            peak, held = allocation_peak([ev])
+            workspace[int(ev.name.split(":")[1])] = max(0, peak - max(held, 0))
+        else:
+            stack.extend(ev.children)
+    return workspace, "torch.profiler allocation events"
+
+
+def _workspace_cuda(runner: _OpRunner, args) -> tuple[list[int], str]:
+    workspace = [0] * len(runner.graph.ops)
+
+    def on_op(idx, fn):
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        out = fn()
+        torch.cuda.synchronize(runner.device)
+        after = torch.cuda.memory_allocated(runner.device)
+        workspace[idx] = max(0, torch.cuda.max_memory_allocated(runner.device) - after)
+        return out
+
+    runner.run(args, on_op)
+    return workspace, "cuda allocator peak statistics"
+
+
+def _available_memory_bytes() -> int | None:
+    """Memory the system could give this process now (Linux's MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# Where a step at the solved batch does not fit in memory, its workspace is fitted from two
+# small batches, and each op whose fitted figure is at least this many bytes is then run
+# alone at the solved batch, on random inputs of its shapes, and measured. A library may
+# change its method with the size: oneDNN's weight gradient of VGG-16's second convolution
+# takes two activations of scratch at each batch measured from 8 to 160 and a twentieth of
+# one at 176.
+OP_REMEASURE_BYTES = 64 * 2**20
+
+
+# The share of the free memory an op measured alone may take (inputs, outputs, fitted
+# workspace); the rest is the margin for a real workspace above the fitted one.
+REMEASURE_MEMORY_SHARE = 0.8
+
+
+def _node_inputs(node) -> list:
+    """The values (meta "val") of the fx nodes among `node`'s arguments."""
+    from torch.fx.node import Node, map_aggregate
+
+    values: list = []
+    map_aggregate(
+        (node.args, node.kwargs),
+        lambda a: values.append(a.meta.get("val")) if isinstance(a, Node) else None,
+    )
+    return values
+
+
+def _workspace_alone(node, device: torch.device, gen: torch.Generator) -> int:
+    """Workspace of `node`'s op run once by itself on random inputs of its shapes."""
+    from torch.fx.node import Node, map_aggregate
+
+    def real(a):
+        if not isinstance(a, Node):
+            return a
+        v = a.meta["val"]
+        t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
+        return t.normal_(generator=gen)
+
+    args, kwargs = map_aggregate((node.args, node.kwargs), real)
+    return _workspace_of(lambda: node.target(*args, **kwargs), device)
+
+
+def _remeasure_alone(
+    graph: Graph, device: torch.device, workspace: list[int], progress: bool | None = None
+) -> tuple[list[int], list[str]]:
+    """Measure again, each alone at `graph`'s batch, the compute ops whose `workspace`
+    (fitted) is at least OP_REMEASURE_BYTES; `workspace` is updated in place. An op is left
+    as fitted when an input is not a floating-point tensor (indices, masks: random values
+    could be invalid), when its inputs, outputs and fitted workspace would take more than
+    REMEASURE_MEMORY_SHARE of the memory free just before it, or when it fails on random
+    inputs. Returns the indices measured, and the names of the ops left as fitted for lack
+    of memory."""
+    from tqdm import tqdm
+
+    if device.type != "cpu" or _available_memory_bytes() is None:
+        return [], []
+    nodes = {n.name: n for n in graph.fx.graph.nodes}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    large = [
+        op for op in graph.ops if op.role == "compute" and workspace[op.index] >= OP_REMEASURE_BYTES
+    ]
+    measured, too_large = [], []
+    desc = f"measuring large ops alone at batch {graph.batch}"
+    for op in tqdm(large, desc=desc, unit="op", disable=_bar_hidden(progress)):
+        node = nodes[op.name]
+        inputs = _node_inputs(node)
+        if not all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in inputs):
+            continue
+        touched = sum(graph.storages[i].nbytes for i in {*op.reads, *op.outputs})
+        # Read per op: what other processes hold moves. Was half of what was free before the
+        # first op, which left VGG-16's (176) largest backward (10.5 GiB with its fitted
+        # scratch, on a 24 GB machine) fitted at twice its scratch in some runs.
+        free = _available_memory_bytes() or 0
+        if touched + workspace[op.index] > REMEASURE_MEMORY_SHARE * free:
+            too_large.append(op.name)
+            continue
+        try:
+            workspace[op.index] = _workspace_alone(node, device, gen)
+        except (RuntimeError, NotImplementedError):
+            continue  # keep the fitted figure
+        measured.append(op.index)
+    return measured, too_large
+
+
+def _fits_in_memory(graph: Graph, device: torch.device) -> bool:
+    """Whether a CPU step of `graph` at its own batch, everything stored, takes at most
+    half the memory available: then its workspace is measured there, not extrapolated."""
+    if device.type != "cpu" or (available := _available_memory_bytes()) is None:
+        return False
+    return store_all_peak(graph) <= available // 2
+
+
+def _extrapolate_float(w1: list[float], b1: int, w2: list[float], b2: int, batch: int):
+    """Per op, the line through (b1, w1) and (b2, w2) evaluated at `batch`; never negative,
+    never below what was measured."""
+    out = []
+    for a, b in zip(w1, w2, strict=True):
+        slope = max(0.0, (a - b) / (b1 - b2))
+        intercept = max(0.0, a - slope * b1)
+        out.append(max(a, b, intercept + slope * batch))
+    return out
+
+
+def _extrapolate(w1: list[int], b1: int, w2: list[int], b2: int, batch: int) -> list[int]:
+    return [int(w) for w in _extrapolate_float(w1, b1, w2, b2, batch)]
+
+
+def _workspace_of(call, device: torch.device) -> int:
+    """Peak bytes `call()` allocates above what it returns."""
+    held: list = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        held.append(call())
+        torch.cuda.synchronize(device)
+        after = torch.cuda.memory_allocated(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - max(after, before))
+    peak, kept = allocation_peak(record_allocations(lambda: held.append(call())) or [])
+    return max(0, peak - max(kept, 0))
