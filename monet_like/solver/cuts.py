@@ -218,6 +218,7 @@ def with_cuts(f: Formulation, cuts: sp.csr_matrix) -> Formulation:
             "constraints": f.stats.get("constraints", f.n_rows) + n,
             "nonzeros": f.stats.get("nonzeros", 0) + cuts.nnz,
             "cuts": n,
+            "rows": {**f.stats.get("rows", {}), "recompute count (cut)": n},
         },
         columns=None,
         cache={},

@@ -210,164 +210,199 @@ def formulate(
     """The MILP of `problem`: candidates up to `depth` steps back (None: all, the full
     formulation); `allow_recompute=False` forbids recomputation (--ablation); `frees`
     frees a recomputation's inputs after their last reader (default: in the full
-    formulation only; docs/solver.md says why not in the compact one)."""
-    units, stages = problem.units, problem.stages
-    n_u, n_t = len(units), len(stages)
-    cand = candidates(problem, depth if allow_recompute else 0)  # depth 0: the needs alone
-    cand_sets = [set(c) for c in cand]
-    # A variant's own forward outputs (the ReLU mask) exist only while it is chosen;
-    # they are kept, never recomputed.
-    optional_of = {u: k for k, c in enumerate(problem.choices) for u in c.optional_units}
+    formulation only; docs/solver.md says why not in the compact one).
 
-    last_use = [-1] * n_u
-    for t, c in enumerate(cand):
-        for u in c:
-            last_use[u] = max(last_use[u], t)
-            for v in units[u].inputs:
-                last_use[v] = max(last_use[v], t)
+    The rows come in families, built in this order and counted by name in
+    `Formulation.stats["rows"]`: the forward pass (`forward`), the kept bytes per stage
+    (`kept`), then per backward stage its start, recomputations, frees, backward ops and
+    presence rules, then the variant choices (`choice`) and the convolution algorithms
+    (`algorithm`)."""
+    return _Builder(problem, depth, allow_recompute, frees).build()
 
-    # -- columns -----------------------------------------------------------------------
-    keep = np.arange(n_u)
-    col = n_u
-    r_index: dict[tuple[int, int], int] = {}
-    s_index: dict[tuple[int, int], int] = {}
-    for t, c in enumerate(cand):
-        for u in c:
-            recomputable = units[u].recomputable
-            if allow_recompute and recomputable and u not in optional_of:
-                r_index[t, u] = col
+
+class _Builder:
+    """The columns of one formulation, its rows as they are written, and its objective.
+
+    Boolean columns: keep_u, per stage t and candidate u R[t,u] (recomputed before t)
+    and S[t,u] (in memory at t's start), per variant choice on/off, per convolution an
+    option per direction and, per recomputation of it, the forward option it runs.
+    Continuous columns: y_k (forward bytes kept of units already consumed), z_t (kept
+    bytes a stage holds), b_t (what stage t starts with), q (bytes recomputed so far in
+    a stage, a running sum where a row reads it), and in the full formulation the
+    frees (free[t, i, k] and their running sums)."""
+
+    def __init__(self, problem: Problem, depth, allow_recompute: bool, frees) -> None:
+        self.problem, self.depth, self.allow_recompute = problem, depth, allow_recompute
+        units = problem.units
+        self.n_u, self.n_t = len(units), len(problem.stages)
+        self.cand = candidates(problem, depth if allow_recompute else 0)  # depth 0: needs
+        self.cand_sets = [set(c) for c in self.cand]
+        # A variant's own forward outputs (the ReLU mask) exist only while it is chosen;
+        # they are kept, never recomputed.
+        self.optional_of = {u: k for k, c in enumerate(problem.choices) for u in c.optional_units}
+        self.last_use = [-1] * self.n_u
+        for t, c in enumerate(self.cand):
+            for u in c:
+                self.last_use[u] = max(self.last_use[u], t)
+                for v in units[u].inputs:
+                    self.last_use[v] = max(self.last_use[v], t)
+        self.m = [u.bytes / MIB for u in units]
+        self.side = [u.side_bytes / MIB for u in units]
+        self.const = problem.constant_bytes / MIB
+        self.choice_needs = _choice_needs(problem)
+        self._boolean_columns()
+        self.exact = allow_recompute and (depth is None if frees is None else frees)
+        self._continuous_columns()
+        self.rows_b: list[tuple[int, int, float]] = []
+        self.rows_c: list[tuple[int, int, float]] = []
+        self.rhs: list[float] = []
+        self.is_eq: list[bool] = []
+        self.budget_rows: list[int] = []
+        self.budget_const: list[float] = []
+        self.families: dict[str, int] = {}
+
+    def _boolean_columns(self) -> None:
+        problem, units = self.problem, self.problem.units
+        self.keep = np.arange(self.n_u)
+        col = self.n_u
+        self.r_index: dict[tuple[int, int], int] = {}
+        self.s_index: dict[tuple[int, int], int] = {}
+        for t, c in enumerate(self.cand):
+            for u in c:
+                if self.allow_recompute and units[u].recomputable and u not in self.optional_of:
+                    self.r_index[t, u] = col
+                    col += 1
+                self.s_index[t, u] = col
                 col += 1
-            s_index[t, u] = col
-            col += 1
-    # choice k: on_k (the variant runs) and off_k (the aten op it replaced), one of them
-    on_col = np.arange(col, col + len(problem.choices), dtype=int)
-    off_col = on_col + len(problem.choices)
-    col += 2 * len(problem.choices)
-    # algorithm choice k: one column per option of each direction; a recomputation of
-    # its unit is split by the forward option it runs (r = sum of those columns)
-    fwd_cols, bwd_cols = [], []
-    for a in problem.algorithms:
-        fwd_cols.append(np.arange(col, col + len(a.forward)))
-        col += len(a.forward)
-        bwd_cols.append(np.arange(col, col + len(a.backward)))
-        col += len(a.backward)
-    algorithm_of = {a.unit: k for k, a in enumerate(problem.algorithms)}
-    rec_alg: dict[tuple[int, int], np.ndarray] = {}
-    for t, u in r_index:
-        if u in algorithm_of:
-            n_opts = len(problem.algorithms[algorithm_of[u]].forward)
-            rec_alg[t, u] = np.arange(col, col + n_opts)
-            col += n_opts
-    n_bool = col
-    # continuous: y_k (forward kept bytes of units already consumed), z_t (kept, pinned),
-    # b_t (what stage t starts with: z_t plus the candidates carried into it), and q
-    # (bytes recomputed so far in a stage, a running sum at the points a row reads it)
-    exact = allow_recompute and (depth is None if frees is None else frees)
-    order, prefix_end, breaks = _recompute_order(
-        problem, cand, r_index, rec_alg, algorithm_of, every=exact
-    )
-    y0, z0, b0 = 0, n_u, n_u + n_t
-    q_col: dict[tuple[int, int], int] = {}  # (stage, position in its order) -> column
-    n_cont = n_u + 2 * n_t
-    for t in range(n_t):
-        for pos in breaks[t]:
-            q_col[t, pos] = n_cont
-            n_cont += 1
-    # Full formulation: free[t, i, k] <= 1 when input i goes after reader k (the solver
-    # sets it, within the rows below); freed_col[t, e] = bytes freed by the stage's
-    # first e + 1 free events (FreePlan), a running sum.
-    free_plans = _free_plans(problem, cand, order) if exact else None
-    free_col: dict[tuple[int, int, int], int] = {}
-    freed_col: dict[tuple[int, int], int] = {}
-    for t, plan in enumerate(free_plans or ()):
-        for k, inputs in plan.readers:
-            for i in inputs:
-                free_col[t, i, k] = n_cont
+        # choice k: on_k (the variant runs) and off_k (the aten op it replaced), one of them
+        self.on_col = np.arange(col, col + len(problem.choices), dtype=int)
+        self.off_col = self.on_col + len(problem.choices)
+        col += 2 * len(problem.choices)
+        # algorithm choice k: one column per option of each direction; a recomputation of
+        # its unit is split by the forward option it runs (r = sum of those columns)
+        self.fwd_cols, self.bwd_cols = [], []
+        for a in problem.algorithms:
+            self.fwd_cols.append(np.arange(col, col + len(a.forward)))
+            col += len(a.forward)
+            self.bwd_cols.append(np.arange(col, col + len(a.backward)))
+            col += len(a.backward)
+        self.algorithm_of = {a.unit: k for k, a in enumerate(problem.algorithms)}
+        self.rec_alg: dict[tuple[int, int], np.ndarray] = {}
+        for t, u in self.r_index:
+            if u in self.algorithm_of:
+                n_opts = len(problem.algorithms[self.algorithm_of[u]].forward)
+                self.rec_alg[t, u] = np.arange(col, col + n_opts)
+                col += n_opts
+        self.n_bool = col
+
+    def _continuous_columns(self) -> None:
+        n_u, n_t = self.n_u, self.n_t
+        self.order, self.prefix_end, self.breaks = _recompute_order(
+            self.problem, self.cand, self.r_index, self.rec_alg, self.algorithm_of,
+            every=self.exact,
+        )  # fmt: skip
+        self.y0, self.z0, self.b0 = 0, n_u, n_u + n_t
+        self.q_col: dict[tuple[int, int], int] = {}  # (stage, position in its order) -> column
+        n_cont = n_u + 2 * n_t
+        for t in range(n_t):
+            for pos in self.breaks[t]:
+                self.q_col[t, pos] = n_cont
                 n_cont += 1
-        for e in range(plan.n_events):
-            freed_col[t, e] = n_cont
-            n_cont += 1
+        # Full formulation: free[t, i, k] <= 1 when input i goes after reader k (the solver
+        # sets it, within the rows below); freed_col[t, e] = bytes freed by the stage's
+        # first e + 1 free events (FreePlan), a running sum.
+        self.free_plans = _free_plans(self.problem, self.cand, self.order) if self.exact else None
+        self.free_col: dict[tuple[int, int, int], int] = {}
+        self.freed_col: dict[tuple[int, int], int] = {}
+        for t, plan in enumerate(self.free_plans or ()):
+            for k, inputs in plan.readers:
+                for i in inputs:
+                    self.free_col[t, i, k] = n_cont
+                    n_cont += 1
+            for e in range(plan.n_events):
+                self.freed_col[t, e] = n_cont
+                n_cont += 1
+        self.n_cont = n_cont
 
-    rows_b: list[tuple[int, int, float]] = []
-    rows_c: list[tuple[int, int, float]] = []
-    rhs: list[float] = []
-    is_eq: list[bool] = []
-    budget_rows: list[int] = []
-    budget_const: list[float] = []
-
-    def row(bool_terms, cont_terms, value, eq=False, budget_const_mib=None):
-        r = len(rhs)
-        rows_b.extend((r, j, a) for j, a in bool_terms)
-        rows_c.extend((r, j, a) for j, a in cont_terms)
-        rhs.append(value)
-        is_eq.append(eq)
+    def row(self, family: str, bool_terms, cont_terms, value, eq=False, budget_const_mib=None):
+        """One row, `family` naming its kind; `budget_const_mib`: a budget row (its right
+        side is the budget less this constant, set per solve by `_rhs_for`)."""
+        r = len(self.rhs)
+        self.rows_b.extend((r, j, a) for j, a in bool_terms)
+        self.rows_c.extend((r, j, a) for j, a in cont_terms)
+        self.rhs.append(value)
+        self.is_eq.append(eq)
+        self.families[family] = self.families.get(family, 0) + 1
         if budget_const_mib is not None:
-            budget_rows.append(r)
-            budget_const.append(budget_const_mib)
+            self.budget_rows.append(r)
+            self.budget_const.append(budget_const_mib)
 
-    m = [u.bytes / MIB for u in units]
-    const = problem.constant_bytes / MIB
-
-    # -- forward pass: memory while unit k runs ------------------------------------------
-    # live(k) = sum_{u<=k, lastfwd(u)>=k} m_u + y_k, y_k = sum_{lastfwd(u)<k} m_u keep_u
-    consumed_at: list[list[int]] = [[] for _ in range(n_u)]
-    diff = np.zeros(n_u + 1)
-    optional_at: list[list[tuple[int, float]]] = [[] for _ in range(n_u)]
-    for u in units:
-        consumed_at[u.last_forward_use].append(u.id)
-        if u.id in optional_of:
-            for k in range(u.id, u.last_forward_use + 1):
-                optional_at[k].append((on_col[optional_of[u.id]], m[u.id]))
-            continue
-        diff[u.id] += m[u.id]
-        diff[u.last_forward_use + 1] -= m[u.id]
-    still_needed = np.cumsum(diff)[:n_u]
-    row([], [(y0, 1.0)], 0.0, eq=True)
-    for k in range(1, n_u):
-        row(
-            [(keep[u], -m[u]) for u in consumed_at[k - 1]],
-            [(y0 + k, 1.0), (y0 + k - 1, -1.0)],
-            0.0,
-            eq=True,
-        )
-    for k in range(n_u):
-        extra = const + still_needed[k] + problem.forward_extra[k] / MIB
-        row(optional_at[k], [(y0 + k, 1.0)], 0.0, budget_const_mib=extra)
-    for k, a in enumerate(problem.algorithms):  # the convolution itself, with its workspace
-        u = a.unit
-        row(
-            optional_at[u] + [(j, o[2] / MIB) for j, o in zip(fwd_cols[k], a.forward, strict=True)],
-            [(y0 + u, 1.0)],
-            0.0,
-            budget_const_mib=const + still_needed[u] + a.forward_live / MIB,
-        )
-
-    # -- backward stages -----------------------------------------------------------------
-    # z_t = sum_{u: last_use(u) >= t} m_u keep_u, built as a running sum from the end.
-    ends_at: list[list[int]] = [[] for _ in range(n_t)]
-    for u in range(n_u):
-        if last_use[u] >= 0:
-            ends_at[last_use[u]].append(u)
-    for t in reversed(range(n_t)):
-        terms_c = [(z0 + t, 1.0)] + ([(z0 + t + 1, -1.0)] if t + 1 < n_t else [])
-        row([(keep[u], -m[u]) for u in ends_at[t]], terms_c, 0.0, eq=True)
-
-    def present(t, u):  # P[t,u] as terms, for u in C(t)
-        terms = [(s_index[t, u], 1.0)]
-        if (t, u) in r_index:
-            terms.append((r_index[t, u], 1.0))
+    def present(self, t: int, u: int) -> list[tuple[int, float]]:
+        """P[t,u] = S[t,u] + R[t,u] as terms, for u in C(t)."""
+        terms = [(self.s_index[t, u], 1.0)]
+        if (t, u) in self.r_index:
+            terms.append((self.r_index[t, u], 1.0))
         return terms
 
-    side = [u.side_bytes / MIB for u in units]
-    choice_needs = _choice_needs(problem)
+    # -- forward pass ----------------------------------------------------------------------
 
-    def frees_of(t):
+    def forward_rows(self) -> None:
+        """Memory while forward unit k runs, within the budget:
+        live(k) = sum_{u<=k, lastfwd(u)>=k} m_u + y_k, y_k = sum_{lastfwd(u)<k} m_u keep_u;
+        each convolution with its chosen forward option's workspace."""
+        problem, m, n_u, y0 = self.problem, self.m, self.n_u, self.y0
+        consumed_at: list[list[int]] = [[] for _ in range(n_u)]
+        diff = np.zeros(n_u + 1)
+        optional_at: list[list[tuple[int, float]]] = [[] for _ in range(n_u)]
+        for u in problem.units:
+            consumed_at[u.last_forward_use].append(u.id)
+            if u.id in self.optional_of:
+                for k in range(u.id, u.last_forward_use + 1):
+                    optional_at[k].append((self.on_col[self.optional_of[u.id]], m[u.id]))
+                continue
+            diff[u.id] += m[u.id]
+            diff[u.last_forward_use + 1] -= m[u.id]
+        still_needed = np.cumsum(diff)[:n_u]
+        self.row("forward kept sum", [], [(y0, 1.0)], 0.0, eq=True)
+        for k in range(1, n_u):
+            consumed = [(self.keep[u], -m[u]) for u in consumed_at[k - 1]]
+            self.row(
+                "forward kept sum", consumed, [(y0 + k, 1.0), (y0 + k - 1, -1.0)], 0.0, eq=True
+            )
+        for k in range(n_u):
+            extra = self.const + still_needed[k] + problem.forward_extra[k] / MIB
+            self.row("forward memory", optional_at[k], [(y0 + k, 1.0)], 0.0, budget_const_mib=extra)
+        for k, a in enumerate(problem.algorithms):  # the convolution itself, with its workspace
+            u = a.unit
+            options = [(j, o[2] / MIB) for j, o in zip(self.fwd_cols[k], a.forward, strict=True)]
+            self.row(
+                "forward memory", optional_at[u] + options, [(y0 + u, 1.0)], 0.0,
+                budget_const_mib=self.const + still_needed[u] + a.forward_live / MIB,
+            )  # fmt: skip
+
+    # -- backward stages -------------------------------------------------------------------
+
+    def kept_rows(self) -> None:
+        """z_t = sum_{u: last_use(u) >= t} m_u keep_u, built as a running sum from the end."""
+        ends_at: list[list[int]] = [[] for _ in range(self.n_t)]
+        for u in range(self.n_u):
+            if self.last_use[u] >= 0:
+                ends_at[self.last_use[u]].append(u)
+        z0 = self.z0
+        for t in reversed(range(self.n_t)):
+            terms_c = [(z0 + t, 1.0)] + ([(z0 + t + 1, -1.0)] if t + 1 < self.n_t else [])
+            self.row(
+                "kept", [(self.keep[u], -self.m[u]) for u in ends_at[t]], terms_c, 0.0, eq=True
+            )
+
+    def frees_of(self, t: int):
         """The full formulation's frees in stage t: writes their rows, and returns a
         function giving, for position p of the run order (None: after the last one), the
         term subtracting what was freed before that unit begins."""
-        if free_plans is None:
+        if self.free_plans is None:
             return lambda p: []
-        plan = free_plans[t]
+        units, m, plan = self.problem.units, self.m, self.free_plans[t]
+        free_col, freed_col, r_index = self.free_col, self.freed_col, self.r_index
         readers_of: dict[int, list[int]] = {}
         for k, inputs in plan.readers:
             for i in inputs:
@@ -378,18 +413,18 @@ def formulate(
             at_event[e].append((free_col[t, i, k], -m[i]))
         for e, terms in enumerate(at_event):
             chain = [(freed_col[t, e], 1.0)] + ([(freed_col[t, e - 1], -1.0)] if e else [])
-            row([], chain + terms, 0.0, eq=True)
+            self.row("freed sum", [], chain + terms, 0.0, eq=True)
         for k, inputs in plan.readers:
             for i in inputs:
                 j = free_col[t, i, k]
-                row([(r_index[t, k], -1.0)], [(j, 1.0)], 0.0)  # only after k has run
+                self.row("free", [(r_index[t, k], -1.0)], [(j, 1.0)], 0.0)  # only after k ran
                 for later in readers_of[i]:  # and no reader of i ends after k
                     if end[later] > end[k]:
-                        row([(r_index[t, later], 1.0)], [(j, 1.0)], 1.0)
-                if (t + 1, i) in s_index:  # not carried on to the next stage
-                    row([(s_index[t + 1, i], 1.0)], [(j, 1.0)], 1.0)
-                elif last_use[i] > t:  # a kept unit a later stage may read stays
-                    row([(keep[i], 1.0)], [(j, 1.0)], 1.0)
+                        self.row("free", [(r_index[t, later], 1.0)], [(j, 1.0)], 1.0)
+                if (t + 1, i) in self.s_index:  # not carried on to the next stage
+                    self.row("free", [(self.s_index[t + 1, i], 1.0)], [(j, 1.0)], 1.0)
+                elif self.last_use[i] > t:  # a kept unit a later stage may read stays
+                    self.row("free", [(self.keep[i], 1.0)], [(j, 1.0)], 1.0)
 
         def freed(p):
             n = plan.n_events if p is None else plan.before[p]
@@ -397,174 +432,229 @@ def formulate(
 
         return freed
 
-    def backward_terms(t, read):
+    def backward_terms(self, t: int, read: set[int]) -> list[tuple[int, float]]:
         """m_u (Q[t,u] - keep_u) for the candidates of stage t, at a backward op that
         (or whose successors in the stage) reads `read`; plus recomputed side outputs."""
+        m, keep, r_index, s_index = self.m, self.keep, self.r_index, self.s_index
         terms = []
-        for u in cand[t]:
+        for u in self.cand[t]:
             if (t, u) in r_index:
-                terms.append((r_index[t, u], side[u]))
+                terms.append((r_index[t, u], self.side[u]))
             if u in read:  # present
                 terms += [(s_index[t, u], m[u]), (keep[u], -m[u])]
                 if (t, u) in r_index:
                     terms.append((r_index[t, u], m[u]))
-            elif t + 1 < n_t and u in cand_sets[t + 1]:  # carried on
+            elif t + 1 < self.n_t and u in self.cand_sets[t + 1]:  # carried on
                 terms += [(s_index[t + 1, u], m[u]), (keep[u], -m[u])]
-            elif last_use[u] == t:  # no later stage can read it: dead
+            elif self.last_use[u] == t:  # no later stage can read it: dead
                 terms.append((keep[u], -m[u]))
         return terms
 
-    for t, stage in enumerate(stages):
-        c = cand[t]
-        # b_t: what the stage starts with, z_t plus the candidates carried into it
+    def recompute_rows(self, t: int) -> None:
+        """Stage t's start b_t (z_t plus the candidates carried into it), then its
+        recomputations, in forward order: while unit u runs, the stage holds what it
+        started with, the units recomputed so far (q: those that began before u ends)
+        and u's workspace, less what the full formulation freed. A recomputation also
+        rewrites the unit's side outputs."""
+        m, r_index, b0, problem = self.m, self.r_index, self.b0, self.problem
         start_terms = []
-        for u in c:
-            start_terms += [(s_index[t, u], -m[u]), (keep[u], m[u])]
-        row(start_terms, [(b0 + t, 1.0), (z0 + t, -1.0)], 0.0, eq=True)
-        # Recomputation runs in forward order; while unit u runs, the stage holds what it
-        # started with, the units recomputed so far (q: those that began before u ends),
-        # and u's workspace. A recomputation also rewrites the unit's side outputs.
+        for u in self.cand[t]:
+            start_terms += [(self.s_index[t, u], -m[u]), (self.keep[u], m[u])]
+        self.row("stage start", start_terms, [(b0 + t, 1.0), (self.z0 + t, -1.0)], 0.0, eq=True)
+        order = self.order[t]
         pos_prev, q_prev = -1, None
-        for pos in breaks[t]:
-            seg = [(r_index[t, u], -(m[u] + side[u])) for u in order[t][pos_prev + 1 : pos + 1]]
-            cont = [(q_col[t, pos], 1.0)] + ([(q_prev, -1.0)] if q_prev is not None else [])
-            row(seg, cont, 0.0, eq=True)
-            pos_prev, q_prev = pos, q_col[t, pos]
-        at_start = const + stage.start_bytes / MIB
-        freed = frees_of(t)
+        for pos in self.breaks[t]:
+            seg = [(r_index[t, u], -(m[u] + self.side[u])) for u in order[pos_prev + 1 : pos + 1]]
+            cont = [(self.q_col[t, pos], 1.0)] + ([(q_prev, -1.0)] if q_prev is not None else [])
+            self.row("recomputed sum", seg, cont, 0.0, eq=True)
+            pos_prev, q_prev = pos, self.q_col[t, pos]
+        at_start = self.const + problem.stages[t].start_bytes / MIB
+        freed = self.frees_of(t)
         end = [(q_prev, 1.0)] if q_prev is not None else []
-        row([], [(b0 + t, 1.0)] + end + freed(None), 0.0, budget_const_mib=at_start)
-        for i, u in enumerate(order[t]):
-            if prefix_end[t][i] < 0:
+        self.row(
+            "recompute memory", [], [(b0 + t, 1.0)] + end + freed(None), 0.0,
+            budget_const_mib=at_start,
+        )  # fmt: skip
+        for i, u in enumerate(order):
+            if self.prefix_end[t][i] < 0:
                 continue  # no workspace: the row after the last recomputation covers it
-            q_here = [(q_col[t, prefix_end[t][i]], 1.0), (b0 + t, 1.0)] + freed(i)
-            if units[u].workspace_bytes or exact:  # full: memory falls, a row at each
-                ws = units[u].workspace_bytes / MIB
-                row([(r_index[t, u], ws)], q_here, 0.0, budget_const_mib=at_start)
-            if (t, u) in rec_alg:  # the convolution's workspace, by the option it runs
-                options = problem.algorithms[algorithm_of[u]].forward
-                ws_terms = [(j, o[2] / MIB) for j, o in zip(rec_alg[t, u], options, strict=True)]
+            q_here = [(self.q_col[t, self.prefix_end[t][i]], 1.0), (b0 + t, 1.0)] + freed(i)
+            unit = problem.units[u]
+            if unit.workspace_bytes or self.exact:  # full: memory falls, a row at each
+                ws = unit.workspace_bytes / MIB
+                self.row(
+                    "recompute memory", [(r_index[t, u], ws)], q_here, 0.0,
+                    budget_const_mib=at_start,
+                )  # fmt: skip
+            if (t, u) in self.rec_alg:  # the convolution's workspace, by the option it runs
+                options = problem.algorithms[self.algorithm_of[u]].forward
+                cols = self.rec_alg[t, u]
+                ws_terms = [(j, o[2] / MIB) for j, o in zip(cols, options, strict=True)]
                 if any(a for _, a in ws_terms):
-                    row(ws_terms, q_here, 0.0, budget_const_mib=at_start)
-        # At the stage's backward ops: kept units (z_t), the units read from this op on,
-        # and those carried on to the next stage or possibly read later. A unit
-        # recomputed only as the input of another was freed after its last reader, before
-        # the backward ops; a saved value, after its last reader in the stage.
-        for _, at_op, reads in _op_runs(stage, choice_needs[t]):
-            op_terms = backward_terms(t, set(reads))
-            row(op_terms, [(z0 + t, 1.0)], 0.0, budget_const_mib=const + at_op / MIB)
-        for k, a in enumerate(problem.algorithms):  # a convolution's backward in this stage
+                    self.row("recompute memory", ws_terms, q_here, 0.0, budget_const_mib=at_start)
+
+    def backward_op_rows(self, t: int) -> None:
+        """At stage t's backward ops: kept units (z_t), the units read from this op on,
+        and those carried on to the next stage or possibly read later. A unit recomputed
+        only as the input of another was freed after its last reader, before the backward
+        ops; a saved value, after its last reader in the stage. A convolution's backward
+        with its chosen options' workspace."""
+        stage, z0, const = self.problem.stages[t], self.z0, self.const
+        for _, at_op, reads in _op_runs(stage, self.choice_needs[t]):
+            op_terms = self.backward_terms(t, set(reads))
+            self.row(
+                "backward memory", op_terms, [(z0 + t, 1.0)], 0.0,
+                budget_const_mib=const + at_op / MIB,
+            )  # fmt: skip
+        for k, a in enumerate(self.problem.algorithms):
             if a.stage == t and a.backward:
                 # what the stage reads from its op on (VGG-16 at 176: counting all the
                 # stage reads held a dead 2.1 GB ReLU output at the first convolution's
                 # backward, and the smallest budget with algorithm choices was 13.762 GB,
                 # above the store-all peak)
-                terms = backward_terms(t, set(_reads_from(stage, a.backward_op, choice_needs[t])))
-                ws = [(j, o[2] / MIB) for j, o in zip(bwd_cols[k], a.backward, strict=True)]
+                read = set(_reads_from(stage, a.backward_op, self.choice_needs[t]))
+                terms = self.backward_terms(t, read)
+                ws = [(j, o[2] / MIB) for j, o in zip(self.bwd_cols[k], a.backward, strict=True)]
                 at_op = const + a.backward_live / MIB
-                row(terms + ws, [(z0 + t, 1.0)], 0.0, budget_const_mib=at_op)
-        for u in stage.need:
-            row([(j, -a) for j, a in present(t, u)], [], -1.0)  # P >= 1
-        for u in c:
-            # A kept unit stays, as itself, until its last possible use: once freed, it
-            # could only come back by recomputation, never as the "pinned" kept value; and
-            # recomputing it while kept would hold a second copy the rows do not count
-            # (a min-memory solve, indifferent to time, once left R = 1 on kept units).
-            row([(keep[u], 1.0), (s_index[t, u], -1.0)], [], 0.0)  # keep <= S
+                self.row(
+                    "backward memory", terms + ws, [(z0 + t, 1.0)], 0.0, budget_const_mib=at_op
+                )
+
+    def presence_rows(self, t: int) -> None:
+        """What stage t needs is present; a kept unit stays as itself until its last
+        possible use; a unit is not both held and recomputed; a recomputation has its
+        inputs; S[t,u] only from what was there before."""
+        keep, r_index, s_index, present = self.keep, self.r_index, self.s_index, self.present
+        for u in self.problem.stages[t].need:
+            self.row("needed", [(j, -a) for j, a in present(t, u)], [], -1.0)  # P >= 1
+        for u in self.cand[t]:
+            # Once freed, a kept unit could only come back by recomputation, never as the
+            # "pinned" kept value; and recomputing it while kept would hold a second copy
+            # the rows do not count (a min-memory solve, indifferent to time, once left
+            # R = 1 on kept units).
+            self.row("kept stays", [(keep[u], 1.0), (s_index[t, u], -1.0)], [], 0.0)  # keep <= S
             if (t, u) in r_index:
-                row(present(t, u), [], 1.0)  # S + R <= 1
-                for v in units[u].inputs:  # recompute needs its inputs
-                    if v in cand_sets[t]:
-                        row([(r_index[t, u], 1.0)] + [(j, -a) for j, a in present(t, v)], [], 0.0)
+                self.row("held or recomputed", present(t, u), [], 1.0)  # S + R <= 1
+                for v in self.problem.units[u].inputs:  # recompute needs its inputs
+                    if v in self.cand_sets[t]:
+                        terms = [(r_index[t, u], 1.0)] + [(j, -a) for j, a in present(t, v)]
                     else:
-                        row([(r_index[t, u], 1.0), (keep[v], -1.0)], [], 0.0)
-            # S[t,u] only from what was there before
-            if t > 0 and u in cand_sets[t - 1]:
-                row([(s_index[t, u], 1.0)] + [(j, -a) for j, a in present(t - 1, u)], [], 0.0)
+                        terms = [(r_index[t, u], 1.0), (keep[v], -1.0)]
+                    self.row("inputs present", terms, [], 0.0)
+            if t > 0 and u in self.cand_sets[t - 1]:
+                terms = [(s_index[t, u], 1.0)] + [(j, -a) for j, a in present(t - 1, u)]
             else:
-                row([(s_index[t, u], 1.0), (keep[u], -1.0)], [], 0.0)
+                terms = [(s_index[t, u], 1.0), (keep[u], -1.0)]
+            self.row("carried", terms, [], 0.0)
 
-    for k, c in enumerate(problem.choices):
-        row([(on_col[k], 1.0), (off_col[k], 1.0)], [], 1.0, eq=True)
-        for u in c.optional_units:
-            row([(keep[u], 1.0), (on_col[k], -1.0)], [], 0.0)  # kept only if it exists
-        for units_needed, chosen in ((c.on_units, on_col[k]), (c.off_units, off_col[k])):
-            for u in units_needed:  # P[t,u] >= the option that reads it
-                row([(j, -a) for j, a in present(c.stage, u)] + [(chosen, 1.0)], [], 0.0)
+    # -- choices ---------------------------------------------------------------------------
 
-    for k, a in enumerate(problem.algorithms):
-        row([(j, 1.0) for j in fwd_cols[k]], [], 1.0, eq=True)
-        if a.backward:
-            row([(j, 1.0) for j in bwd_cols[k]], [], 1.0, eq=True)
-    for (t, u), cols in rec_alg.items():
-        row([(r_index[t, u], -1.0)] + [(j, 1.0) for j in cols], [], 0.0, eq=True)
-        for j, option_col in zip(cols, fwd_cols[algorithm_of[u]], strict=True):
-            row([(j, 1.0), (option_col, -1.0)], [], 0.0)  # recomputed with the option chosen
+    def choice_rows(self) -> None:
+        """Each variant site runs the variant or the op it replaced; the variant's own
+        outputs are kept only if it runs; the option chosen has what it reads."""
+        for k, c in enumerate(self.problem.choices):
+            on, off = self.on_col[k], self.off_col[k]
+            self.row("choice", [(on, 1.0), (off, 1.0)], [], 1.0, eq=True)
+            for u in c.optional_units:
+                self.row("choice", [(self.keep[u], 1.0), (on, -1.0)], [], 0.0)
+            for units_needed, chosen in ((c.on_units, on), (c.off_units, off)):
+                for u in units_needed:  # P[t,u] >= the option that reads it
+                    terms = [(j, -a) for j, a in self.present(c.stage, u)] + [(chosen, 1.0)]
+                    self.row("choice", terms, [], 0.0)
 
-    cost = np.zeros(n_bool)
-    for (_t, u), j in r_index.items():
-        cost[j] = units[u].recompute_s / MS
-    for k, a in enumerate(problem.algorithms):  # above the fastest option: never negative
-        fastest = min(o[1] for o in a.forward)
-        cost[fwd_cols[k]] = [(o[1] - fastest) / MS for o in a.forward]
-        if a.backward:
-            fastest_bwd = min(o[1] for o in a.backward)
-            cost[bwd_cols[k]] = [(o[1] - fastest_bwd) / MS for o in a.backward]
-    for (t, u), cols in rec_alg.items():
-        a = problem.algorithms[algorithm_of[u]]
-        fastest = min(o[1] for o in a.forward)
-        # the unit's profiled recomputation ran PyTorch's choice: swap its time for the
-        # fastest option's, and the option chosen adds its excess
-        cost[r_index[t, u]] = max(0.0, units[u].recompute_s - a.forward_default_s + fastest) / MS
-        cost[cols] = [(o[1] - fastest) / MS for o in a.forward]
-    for k, c in enumerate(problem.choices):  # above the cheaper option: never negative
-        base = min(c.on_s, c.off_s)
-        cost[on_col[k]] = (c.on_s - base) / MS
-        cost[off_col[k]] = (c.off_s - base) / MS
+    def algorithm_rows(self) -> None:
+        """One option per convolution and direction; a recomputation runs one forward
+        option, the one chosen."""
+        for k, a in enumerate(self.problem.algorithms):
+            self.row("algorithm", [(j, 1.0) for j in self.fwd_cols[k]], [], 1.0, eq=True)
+            if a.backward:
+                self.row("algorithm", [(j, 1.0) for j in self.bwd_cols[k]], [], 1.0, eq=True)
+        for (t, u), cols in self.rec_alg.items():
+            terms = [(self.r_index[t, u], -1.0)] + [(j, 1.0) for j in cols]
+            self.row("algorithm", terms, [], 0.0, eq=True)
+            for j, option_col in zip(cols, self.fwd_cols[self.algorithm_of[u]], strict=True):
+                self.row("algorithm", [(j, 1.0), (option_col, -1.0)], [], 0.0)
 
-    n_rows = len(rhs)
+    def objective(self) -> np.ndarray:
+        """Milliseconds over the fastest step: recomputations, and each choice's time
+        above its faster option (never negative)."""
+        problem, units = self.problem, self.problem.units
+        cost = np.zeros(self.n_bool)
+        for (_t, u), j in self.r_index.items():
+            cost[j] = units[u].recompute_s / MS
+        for k, a in enumerate(problem.algorithms):
+            fastest = min(o[1] for o in a.forward)
+            cost[self.fwd_cols[k]] = [(o[1] - fastest) / MS for o in a.forward]
+            if a.backward:
+                fastest_bwd = min(o[1] for o in a.backward)
+                cost[self.bwd_cols[k]] = [(o[1] - fastest_bwd) / MS for o in a.backward]
+        for (t, u), cols in self.rec_alg.items():
+            a = problem.algorithms[self.algorithm_of[u]]
+            fastest = min(o[1] for o in a.forward)
+            # the unit's profiled recomputation ran PyTorch's choice: swap its time for the
+            # fastest option's, and the option chosen adds its excess
+            recompute = max(0.0, units[u].recompute_s - a.forward_default_s + fastest)
+            cost[self.r_index[t, u]] = recompute / MS
+            cost[cols] = [(o[1] - fastest) / MS for o in a.forward]
+        for k, c in enumerate(problem.choices):
+            base = min(c.on_s, c.off_s)
+            cost[self.on_col[k]] = (c.on_s - base) / MS
+            cost[self.off_col[k]] = (c.off_s - base) / MS
+        return cost
 
-    def matrix(entries, n_cols):
-        if not entries:
-            return sp.csr_matrix((n_rows, n_cols))
-        r, cidx, v = zip(*entries, strict=True)
-        return sp.csr_matrix((v, (r, cidx)), shape=(n_rows, n_cols))
+    def build(self) -> Formulation:
+        self.forward_rows()
+        self.kept_rows()
+        for t in range(self.n_t):
+            self.recompute_rows(t)
+            self.backward_op_rows(t)
+            self.presence_rows(t)
+        self.choice_rows()
+        self.algorithm_rows()
+        n_rows = len(self.rhs)
 
-    f = Formulation(
-        problem=problem,
-        depth=depth,
-        cand=cand,
-        last_use=last_use,
-        n_bool=n_bool,
-        n_cont=n_cont,
-        keep=keep,
-        r_index=r_index,
-        s_index=s_index,
-        on_col=on_col,
-        off_col=off_col,
-        cost=cost,
-        a_bool=matrix(rows_b, n_bool),
-        a_cont=matrix(rows_c, n_cont),
-        rhs=np.array(rhs),
-        is_eq=np.array(is_eq),
-        budget_rows=np.array(budget_rows, dtype=int),
-        budget_const=np.array(budget_const),
-        fwd_cols=fwd_cols,
-        bwd_cols=bwd_cols,
-        rec_alg=rec_alg,
-        algorithm_of=algorithm_of,
-        recompute_order=order,
-        prefix_end=prefix_end,
-        free_plans=free_plans,
-        free_columns=np.array(sorted(free_col.values()), dtype=int),
-    )
-    f.stats = {
-        "variables": n_bool + n_cont,
-        "binaries": n_bool,
-        "constraints": n_rows,
-        "nonzeros": int(f.a_bool.nnz + f.a_cont.nnz),
-    }
-    return f
+        def matrix(entries, n_cols):
+            if not entries:
+                return sp.csr_matrix((n_rows, n_cols))
+            r, cidx, v = zip(*entries, strict=True)
+            return sp.csr_matrix((v, (r, cidx)), shape=(n_rows, n_cols))
+
+        f = Formulation(
+            problem=self.problem,
+            depth=self.depth,
+            cand=self.cand,
+            last_use=self.last_use,
+            n_bool=self.n_bool,
+            n_cont=self.n_cont,
+            keep=self.keep,
+            r_index=self.r_index,
+            s_index=self.s_index,
+            on_col=self.on_col,
+            off_col=self.off_col,
+            cost=self.objective(),
+            a_bool=matrix(self.rows_b, self.n_bool),
+            a_cont=matrix(self.rows_c, self.n_cont),
+            rhs=np.array(self.rhs),
+            is_eq=np.array(self.is_eq),
+            budget_rows=np.array(self.budget_rows, dtype=int),
+            budget_const=np.array(self.budget_const),
+            fwd_cols=self.fwd_cols,
+            bwd_cols=self.bwd_cols,
+            rec_alg=self.rec_alg,
+            algorithm_of=self.algorithm_of,
+            recompute_order=self.order,
+            prefix_end=self.prefix_end,
+            free_plans=self.free_plans,
+            free_columns=np.array(sorted(self.free_col.values()), dtype=int),
+        )
+        f.stats = {
+            "variables": self.n_bool + self.n_cont,
+            "binaries": self.n_bool,
+            "constraints": n_rows,
+            "nonzeros": int(f.a_bool.nnz + f.a_cont.nnz),
+            "rows": dict(self.families),
+        }
+        return f
 
 
 def _rhs_for(f: Formulation, budget_bytes: float | None) -> np.ndarray:
