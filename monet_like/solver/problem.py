@@ -166,16 +166,62 @@ def build_problem(
 
     workspace = workspace if workspace is not None else profile.workspace_by_op()
     profiled_workspace = workspace
-    algorithm_ops = _algorithm_ops(graph, profile)
-    node_time = {n.node: n.forward_s for n in profile.nodes}
-    storages, ops = graph.storages, graph.ops
+    ops = graph.ops
+    # The outputs the training loop holds live to the step's end whatever the schedule
+    # does: never a unit's, counted like gradients.
+    held = held_outputs(graph)
+    unit_nodes, unit_storages, side_of, pinned = _join_reads_before_writes(
+        graph, *_group_units(graph, held)
+    )
+    unit_of_storage = {s: uid for uid, acts in enumerate(unit_storages) for s in acts}
+    unit_of_node = {n: uid for uid, nids in enumerate(unit_nodes) for n in nids}
+    # Convolutions with algorithm options (and a unit to recompute them with): the MILP
+    # adds their ops' workspace, the chosen option's, so it is left out of the constants.
+    algorithm_ops = {
+        site: found
+        for site, found in _algorithm_ops(graph, profile).items()
+        if ops[found[0]].node in unit_of_node
+    }
+    chosen_ops = {i for f, b, _ in algorithm_ops.values() for i in (f, b) if i is not None}
+    workspace = {i: w for i, w in workspace.items() if i not in chosen_ops}
+    _pin_makers_of_held_outputs(graph, unit_nodes, held, pinned)
+    units = _units(graph, profile, unit_nodes, unit_storages, side_of, pinned, workspace)
+    other_live, other_no_ws = _other_live(graph, set(unit_of_storage), held, workspace)
+    forward_extra = [0] * len(units)
+    for op in ops:
+        if op.phase == FORWARD and op.node is not None and op.node in unit_of_node:
+            u = unit_of_node[op.node]
+            forward_extra[u] = max(forward_extra[u], other_live[op.index])
+    stages = _stages(graph, unit_of_node, unit_of_storage, other_live, other_no_ws)
+    choices: list[Choice] = []
+    if reference is not None:
+        stages, choices = _choices(graph, profile, reference, stages, unit_of_storage)
+    algorithms = _algorithm_choices(
+        graph, profile, algorithm_ops, unit_of_node, stages, other_no_ws
+    )
+    return Problem(
+        units=units,
+        stages=stages,
+        choices=tuple(choices),
+        algorithms=tuple(algorithms),
+        constant_bytes=sum(
+            s.nbytes for s in graph.storages if s.kind in ("param", "buffer", "input", "seed")
+        ),
+        forward_extra=forward_extra,
+        store_all_peak_bytes=store_all_timeline(graph, profiled_workspace).peak_bytes,
+        store_all_time_s=profile.step_time_s,
+        fixed_bytes=fixed_bytes(graph).total,
+    )
 
-    # -- units ---------------------------------------------------------------------
+
+def _group_units(graph: Graph, held: set[int]):
+    """Forward nodes grouped into units: (nodes per unit, activation storages per unit,
+    side unit -> the unit whose recomputation rewrites it)."""
+    storages, ops = graph.storages, graph.ops
     unit_of_storage: dict[int, int] = {}
     unit_nodes: list[list[int]] = []
     unit_storages: list[list[int]] = []
-    unit_of_node: dict[int, int] = {}
-    side_of: dict[int, int] = {}  # side unit -> the unit whose recomputation rewrites it
+    side_of: dict[int, int] = {}
 
     def new_unit(nodes: list[int], acts: list[int]) -> int:
         uid = len(unit_nodes)
@@ -185,9 +231,6 @@ def build_problem(
             unit_of_storage[s] = uid
         return uid
 
-    # The outputs the training loop holds live to the step's end whatever the schedule
-    # does: never a unit's, counted like gradients.
-    held = held_outputs(graph)
     for node in graph.nodes:
         acts = [s for s in node.outputs if storages[s].kind == ACTIVATION and s not in held]
         overwritten = [
@@ -199,7 +242,6 @@ def build_problem(
         if not acts and not held_here:
             if node.inplace and overwritten:
                 unit_nodes[overwritten[0]].append(node.id)
-                unit_of_node[node.id] = overwritten[0]
             # else: bookkeeping on buffers or parameters (num_batches_tracked += 1): no unit
             continue
         # Small side outputs (BatchNorm's saved mean and inverse std) form a unit of their
@@ -223,28 +265,28 @@ def build_problem(
                 unit_of_storage[s] = uid
         else:
             uid = new_unit([node.id], main)
-        unit_of_node[node.id] = uid
         if side:
             side_of[new_unit([], side)] = uid
+    return unit_nodes, unit_storages, side_of
 
-    unit_nodes, unit_storages, side_of, pinned = _join_reads_before_writes(
-        graph, unit_nodes, unit_storages, side_of
-    )
-    unit_of_storage = {s: uid for uid, acts in enumerate(unit_storages) for s in acts}
-    unit_of_node = {n: uid for uid, nids in enumerate(unit_nodes) for n in nids}
-    # Convolutions with algorithm options (and a unit to recompute them with): the MILP
-    # adds their ops' workspace, the chosen option's, so it is left out of the constants.
-    algorithm_ops = {
-        site: found for site, found in algorithm_ops.items() if ops[found[0]].node in unit_of_node
-    }
-    chosen_ops = {i for f, b, _ in algorithm_ops.values() for i in (f, b) if i is not None}
-    workspace = {i: w for i, w in workspace.items() if i not in chosen_ops}
-    # A unit that makes a held output (its storage is no unit's) is never recomputed: a
-    # second copy of the output would be uncounted, the first one being alive anyway.
+
+def _pin_makers_of_held_outputs(graph: Graph, unit_nodes, held: set[int], pinned: dict) -> None:
+    """A unit that makes a held output (its storage is no unit's) is never recomputed: a
+    second copy of the output would be uncounted, the first one being alive anyway."""
+    ops, storages = graph.ops, graph.storages
     for uid, nids in enumerate(unit_nodes):
         made = [s for n in nids for i in graph.nodes[n].ops for s in ops[i].outputs if s in held]
         if made:
             pinned.setdefault(uid, f"it makes {storages[made[0]].name}, an output the loop holds")
+
+
+def _units(
+    graph: Graph, profile, unit_nodes, unit_storages, side_of, pinned, workspace
+) -> list[Unit]:
+    """The Units: bytes, recompute time and workspace, inputs, last forward reader."""
+    storages, ops = graph.storages, graph.ops
+    node_time = {n.node: n.forward_s for n in profile.nodes}
+    unit_of_storage = {s: uid for uid, acts in enumerate(unit_storages) for s in acts}
     n_units = len(unit_nodes)
     inputs: list[set[int]] = [set() for _ in range(n_units)]
     last_fwd = list(range(n_units))
@@ -256,46 +298,47 @@ def build_problem(
                     if src is not None and src != uid:
                         inputs[uid].add(src)
                         last_fwd[src] = max(last_fwd[src], uid)
-    units = [
-        Unit(
-            id=uid,
-            nodes=tuple(nids),
-            storages=tuple(unit_storages[uid]),
-            bytes=sum(storages[s].nbytes for s in unit_storages[uid]),
-            recompute_s=sum(node_time.get(n, 0.0) for n in nids),
-            workspace_bytes=max((workspace.get(graph.nodes[n].op, 0) for n in nids), default=0),
-            inputs=tuple(sorted(inputs[uid])),
-            last_forward_use=last_fwd[uid],
-            random=any(ops[i].random for n in nids for i in graph.nodes[n].ops),
-            side_of=side_of.get(uid),
-            pinned=pinned.get(uid, ""),
-            side_bytes=sum(
-                storages[s].nbytes
-                for side, main in side_of.items()
-                if main == uid
-                for s in unit_storages[side]
-            ),
-            op_span=(
-                (
-                    min(i for n in nids for i in graph.nodes[n].ops),
-                    max(i for n in nids for i in graph.nodes[n].ops),
-                )
-                if nids
-                else None
-            ),
+    units = []
+    for uid, nids in enumerate(unit_nodes):
+        op_ids = [i for n in nids for i in graph.nodes[n].ops]
+        side_bytes = sum(
+            storages[s].nbytes
+            for side, main in side_of.items()
+            if main == uid
+            for s in unit_storages[side]
         )
-        for uid, nids in enumerate(unit_nodes)
-    ]
+        units.append(
+            Unit(
+                id=uid,
+                nodes=tuple(nids),
+                storages=tuple(unit_storages[uid]),
+                bytes=sum(storages[s].nbytes for s in unit_storages[uid]),
+                recompute_s=sum(node_time.get(n, 0.0) for n in nids),
+                workspace_bytes=max((workspace.get(graph.nodes[n].op, 0) for n in nids), default=0),
+                inputs=tuple(sorted(inputs[uid])),
+                last_forward_use=last_fwd[uid],
+                random=any(ops[i].random for i in op_ids),
+                side_of=side_of.get(uid),
+                pinned=pinned.get(uid, ""),
+                side_bytes=side_bytes,
+                op_span=(min(op_ids), max(op_ids)) if nids else None,
+            )
+        )
+    return units
 
-    # -- bytes that are not units' ---------------------------------------------------
-    constant = sum(s.nbytes for s in storages if s.kind in ("param", "buffer", "input", "seed"))
-    unit_storage_set = set(unit_of_storage)
+
+def _other_live(
+    graph: Graph, unit_storages: set[int], held: set[int], workspace: dict[int, int]
+) -> tuple[list[int], list[int]]:
+    """Bytes that are no unit's and no constant's (gradients, temporaries, held
+    outputs) alive at each op: with that op's workspace, and without."""
+    storages, ops = graph.storages, graph.ops
     last = last_uses(graph)
-    other_live = [0] * (len(ops) + 1)  # non-unit, non-constant storages alive at each op
+    other_live = [0] * (len(ops) + 1)
     diff = [0] * (len(ops) + 1)
     for op in ops:
         for s in op.allocates:
-            if s in unit_storage_set or storages[s].kind not in (ACTIVATION, GRADIENT):
+            if s in unit_storages or storages[s].kind not in (ACTIVATION, GRADIENT):
                 continue
             end = len(ops) if storages[s].kind == GRADIENT or s in held else last[s] + 1
             diff[op.index] += storages[s].nbytes
@@ -306,14 +349,13 @@ def build_problem(
         running += diff[i]
         other_no_ws[i] = running
         other_live[i] = running + workspace.get(i, 0)
+    return other_live, other_no_ws
 
-    forward_extra = [0] * n_units
-    for op in ops:
-        if op.phase == FORWARD and op.node is not None and op.node in unit_of_node:
-            u = unit_of_node[op.node]
-            forward_extra[u] = max(forward_extra[u], other_live[op.index])
 
-    # -- stages ----------------------------------------------------------------------
+def _stages(graph: Graph, unit_of_node, unit_of_storage, other_live, other_no_ws) -> list[Stage]:
+    """The backward ops cut into stages, one per unit whose gradient ops they are, each
+    with the units it reads and the bytes at each of its ops."""
+    ops = graph.ops
     stages: list[Stage] = []
     current: list[int] = []
     current_unit: int | None = None
@@ -358,14 +400,17 @@ def build_problem(
             current_unit = unit
         current.append(op.index)
     close()
+    return stages
 
-    choices: list[Choice] = []
-    if reference is not None:
-        stages, choices = _choices(graph, profile, reference, stages, unit_of_storage)
+
+def _algorithm_choices(
+    graph: Graph, profile, algorithm_ops, unit_of_node, stages, other_no_ws
+) -> list[AlgorithmChoice]:
+    """Each convolution's algorithm options. An option's time: the op's own time in the
+    profiled step (PyTorch's algorithm), times the option's ratio to PyTorch's as
+    measured side by side; absolute times of ops run alone are not comparable with the
+    step's on a busy machine."""
     stage_of = {i: t for t, st in enumerate(stages) for i in st.ops}
-    # An algorithm's time: the op's own time in the profiled step (PyTorch's algorithm),
-    # times the algorithm's ratio to PyTorch's as measured side by side. Absolute times
-    # of ops run alone are not comparable with the step's on a busy machine.
     profiled = {n.node: n for n in profile.nodes}
     algorithms = []
     for site, (fwd_op, bwd_op, options) in algorithm_ops.items():
@@ -387,17 +432,7 @@ def build_problem(
                 backward_op=bwd_op,
             )
         )
-    return Problem(
-        units=units,
-        stages=stages,
-        choices=tuple(choices),
-        algorithms=tuple(algorithms),
-        constant_bytes=constant,
-        forward_extra=forward_extra,
-        store_all_peak_bytes=store_all_timeline(graph, profiled_workspace).peak_bytes,
-        store_all_time_s=profile.step_time_s,
-        fixed_bytes=fixed_bytes(graph).total,
-    )
+    return algorithms
 
 
 def _updates_statistics(op) -> bool:
