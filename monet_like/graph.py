@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from monet_like.errors import UserError
+from monet_like.inputs import input_dtype
 from monet_like.units import GIB
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -643,27 +644,7 @@ def derive(
         )
         op_meta.append({"kind": _short_kind(n.target), "module": _module_path(n.meta)})
 
-    # The graph returns (forward outputs, parameter gradients). The gradients live to
-    # the end of the step; the outputs are the user's, and die as eager's would.
-    output_node = fx_nodes[-1]
-    flat_outputs = output_node.args[0]  # make_fx flattens: the leaves, then the gradients
-    grad_nodes = [a for a in flat_outputs[out_spec.num_leaves :] if isinstance(a, torch.fx.Node)]
-    for arg in grad_nodes:
-        for t in _tensors(arg.meta.get("val")):
-            sid, _ = storage_of(t, GRADIENT, arg.name)
-            s = storages[sid]
-            if s.kind == ACTIVATION:
-                storages[sid] = Storage(s.id, s.nbytes, GRADIENT, s.name)
-
-    output_storages = tuple(
-        dict.fromkeys(
-            s
-            for a in flat_outputs[: out_spec.num_leaves]
-            if isinstance(a, torch.fx.Node)
-            for s in values.get(a.name, ())
-            if storages[s].kind == ACTIVATION
-        )
-    )
+    output_storages = _mark_outputs(fx_nodes[-1], out_spec, storages, values, storage_of)
     nodes, ops = _coarsen(ops, op_meta, storages)
     graph = Graph(
         **facts,
@@ -683,6 +664,29 @@ def derive(
         storages, ops, graph.input_grad, graph.outputs_held, graph.autocast
     )
     return graph
+
+
+def _mark_outputs(output_node, out_spec, storages: list[Storage], values, storage_of) -> tuple:
+    """The graph returns (forward outputs, parameter gradients). The gradients' storages
+    become GRADIENT (they live to the end of the step); the outputs are the user's, and
+    die as eager's would: their activation storages, returned."""
+    flat_outputs = output_node.args[0]  # make_fx flattens: the leaves, then the gradients
+    grad_nodes = [a for a in flat_outputs[out_spec.num_leaves :] if isinstance(a, torch.fx.Node)]
+    for arg in grad_nodes:
+        for t in _tensors(arg.meta.get("val")):
+            sid, _ = storage_of(t, GRADIENT, arg.name)
+            s = storages[sid]
+            if s.kind == ACTIVATION:
+                storages[sid] = Storage(s.id, s.nbytes, GRADIENT, s.name)
+    return tuple(
+        dict.fromkeys(
+            s
+            for a in flat_outputs[: out_spec.num_leaves]
+            if isinstance(a, torch.fx.Node)
+            for s in values.get(a.name, ())
+            if storages[s].kind == ACTIVATION
+        )
+    )
 
 
 def _coarsen(
@@ -776,27 +780,3 @@ def _coarsen(
             )
         )
     return nodes, new_ops
-
-
-# What the capture takes from a model: its input's dtype (token ids for language
-# models) and, for random token ids, its vocabulary size.
-def input_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the model's input: the model's `input_dtype` attribute, else `dtype`."""
-    return getattr(model, "input_dtype", dtype)
-
-
-def make_input(
-    model: nn.Module,
-    input_shape: tuple[int, ...],
-    batch: int,
-    dtype: torch.dtype,
-    device: str | torch.device = "cpu",
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """A random input batch for `model`: floats, or token ids below `model.vocab_size`."""
-    shape = (batch, *input_shape)
-    in_dtype = input_dtype(model, dtype)
-    if in_dtype.is_floating_point:
-        return torch.randn(shape, dtype=in_dtype, device=device, generator=generator)
-    high = int(getattr(model, "vocab_size", 2))
-    return torch.randint(0, high, shape, dtype=in_dtype, device=device, generator=generator)

@@ -292,7 +292,7 @@ def simulate(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
-    from monet_like.graph import input_dtype
+    from monet_like.inputs import input_dtype
 
     device = torch.device(device)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -160,12 +160,7 @@ def compile_schedule(
         top = problem.store_all_peak_bytes
         budget_bytes = top if low is None else int(low + budget_fraction * (top - low))
     if progress is not None:
-        progress(
-            f"solving: budget {budget_bytes / GIB:g} GB, mode {mode}, {solver.upper()},"
-            f" {formulation} formulation"
-            + (" with frees" if frees and formulation == "compact" else "")
-            + (f", time limit {time_limit:g} s" if time_limit else "")
-        )
+        progress(_solving_line(budget_bytes, mode, solver, formulation, frees, time_limit))
     sol = solve(
         graph,
         prof,
@@ -187,8 +182,7 @@ def compile_schedule(
             progress(
                 "  the captured graph's own schedule is faster: no variant is used"
                 if not sol.variants
-                else "  the schedule with only the convolution algorithms is faster: the"
-                " mode's other variants are not used"
+                else "  the convolution algorithms alone are faster: no other variant is used"
             )
     # The solver's peak is a bound from its memory model; the schedule run on fake
     # tensors with each op's workspace gives the exact prediction.
@@ -201,3 +195,12 @@ def compile_schedule(
     if output is not None:
         sol.save(output)
     return Compiled(sol, graph, prof, low)
+
+
+def _solving_line(budget_bytes, mode, solver, formulation, frees, time_limit) -> str:
+    return (
+        f"solving: budget {budget_bytes / GIB:g} GB, mode {mode}, {solver.upper()},"
+        f" {formulation} formulation"
+        + (" with frees" if frees and formulation == "compact" else "")
+        + (f", time limit {time_limit:g} s" if time_limit else "")
+    )

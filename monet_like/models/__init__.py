@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from monet_like.errors import UserError
-from monet_like.graph import input_dtype, make_input  # noqa: F401  (re-exported: models make inputs)
+from monet_like.inputs import input_dtype, make_input  # noqa: F401  (re-exported: models make inputs)
 
 # Default per-sample input shapes (no batch dimension) for the known families.
 _IMAGE_SHAPE = (3, 224, 224)

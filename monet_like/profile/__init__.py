@@ -94,7 +94,7 @@ def _cache_key(graph: Graph, profile_batch: int, device: torch.device) -> str:
 
 def _real_args(model: nn.Module, graph: Graph, device: torch.device, dtype: torch.dtype):
     """Placeholders for the joint graph: parameters, copies of buffers, input, tangents."""
-    from monet_like.graph import make_input
+    from monet_like.inputs import make_input
 
     gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -136,45 +136,12 @@ def profile(
         raise UserError("the profiler needs a model with real parameters, not one on 'meta'")
 
     path = cache_path(graph, profile_batch, device)
-    shipped = SHIPPED_PROFILES / path.name  # the zoo's, for its models (read-only)
-    for source in (path, shipped) if use_cache else ():
-        if not source.exists():
-            continue
-        try:
-            cached = Profile.from_json(source.read_text())
-            cached.cached = True
-            return cached
-        except (ValueError, KeyError, TypeError):
-            if source == path:
-                path.unlink(missing_ok=True)  # unreadable or older format: profile again
-
+    if use_cache and (cached := _cached(path)) is not None:
+        return cached
     started = time.perf_counter()
 
     def graph_at(batch: int) -> Graph:
-        if batch == graph.batch:
-            if graph.fx is None:
-                raise UserError("this graph carries no traced module to run: capture it again")
-            return graph
-        from monet_like.variants import apply as apply_variants
-
-        other = capture(
-            model,
-            graph.input_shape,
-            batch,
-            dtype,
-            device,
-            graph.model,
-            graph.input_grad,
-            graph.outputs_held,
-            None if graph.autocast is None else getattr(torch, graph.autocast),
-        )
-        other = apply_variants(other, graph.variants)
-        if [o.target for o in other.ops] != [o.target for o in graph.ops]:
-            raise UserError(
-                f"the graph at batch {batch} differs from the one at batch {graph.batch} "
-                f"(batch-dependent control flow?): profile with --profile_batch {graph.batch}"
-            )
-        return other
+        return _graph_at(model, graph, batch, device)
 
     def workspace_at(g: Graph) -> tuple[list[int], str]:
         runner = _OpRunner(g, device)
@@ -280,3 +247,47 @@ def profile(
     if use_cache:  # a unique temporary file renamed over it: never half a profile
         atomic_write(path, result.to_json())
     return result
+
+
+def _cached(path: Path) -> Profile | None:
+    """The cached profile at `path`, else the zoo's shipped one of that name, if either
+    reads; an unreadable or older-format cache file is removed (profiled again)."""
+    for source in (path, SHIPPED_PROFILES / path.name):
+        if not source.exists():
+            continue
+        try:
+            cached = Profile.from_json(source.read_text())
+            cached.cached = True
+            return cached
+        except (ValueError, KeyError, TypeError):
+            if source == path:
+                path.unlink(missing_ok=True)
+    return None
+
+
+def _graph_at(model: nn.Module, graph: Graph, batch: int, device: torch.device) -> Graph:
+    """`graph` captured again at `batch` on `device` (with its variants), to be run."""
+    if batch == graph.batch:
+        if graph.fx is None:
+            raise UserError("this graph carries no traced module to run: capture it again")
+        return graph
+    from monet_like.variants import apply as apply_variants
+
+    other = capture(
+        model,
+        graph.input_shape,
+        batch,
+        getattr(torch, graph.dtype),
+        device,
+        graph.model,
+        graph.input_grad,
+        graph.outputs_held,
+        None if graph.autocast is None else getattr(torch, graph.autocast),
+    )
+    other = apply_variants(other, graph.variants)
+    if [o.target for o in other.ops] != [o.target for o in graph.ops]:
+        raise UserError(
+            f"the graph at batch {batch} differs from the one at batch {graph.batch} "
+            f"(batch-dependent control flow?): profile with --profile_batch {graph.batch}"
+        )
+    return other

@@ -438,25 +438,7 @@ def _solve(
 
     started = time.perf_counter()  # `time_limit` counts from here: cuts and start included
     problem = build_problem(graph, profile, reference=reference)
-    base = dict(
-        model=graph.model,
-        fingerprint=graph.fingerprint,
-        batch=graph.batch,
-        input_shape=graph.input_shape,
-        dtype=graph.dtype,
-        device=profile.device,
-        mode=mode,
-        budget_bytes=int(budget_bytes),
-        solver=solver,
-        store_all_peak_bytes=problem.store_all_peak_bytes,
-        store_all_time_s=problem.store_all_time_s,
-        fixed_bytes=problem.fixed_bytes,
-        ablation=ablation,
-        input_grad=graph.input_grad,
-        outputs_held=graph.outputs_held,
-        autocast=graph.autocast,
-        variants=list(graph.variants),
-    )
+    base = _solution_base(graph, profile, problem, mode, budget_bytes, solver, ablation)
     if budget_bytes >= problem.store_all_peak_bytes and not (problem.choices or problem.algorithms):
         # With variant sites or convolution algorithms to choose, store-all fits but the
         # MILP still picks the faster options (PyTorch's algorithms are not always those).
@@ -465,14 +447,7 @@ def _solve(
     check_solver(solver)
     # The compact formulation's smallest budget is an upper bound on the true one.
     frees = frees and formulation == "compact" and not ablation
-    whose = ""
-    if frees:
-        whose = " in the compact formulation with frees"
-    elif formulation == "compact" and not ablation:
-        whose = (
-            " in the compact formulation (--frees or --formulation full free recomputed"
-            " values sooner)"
-        )
+    whose = _whose_smallest(frees, formulation, ablation)
     if budget_bytes < problem.fixed_bytes:
         smallest = _smallest_budget(problem, depth, ablation, solver, frees, progress)
         raise InfeasibleBudget(
@@ -552,19 +527,7 @@ def _solve(
         first_feasible_s = raw.first_feasible_s + (searched - started)
     else:
         first_feasible_s = None  # the solver reports no incumbents
-    off = [c.site for k, c in enumerate(problem.choices) if x[f.off_col[k]]]
-    algorithms = {}
-    for a, (i, j) in zip(problem.algorithms, f.chosen_options(x), strict=True):
-        (forward,), _, _ = a.forward[i]
-        data, weight = a.backward[j][0] if j is not None else (-1, -1)
-        if (forward, data, weight) != (-1, -1, -1):
-            algorithms[a.site] = [int(forward), int(data), int(weight)]
-    stages = []
-    for t, s in enumerate(problem.stages):
-        rec = [u for u in f.cand[t] if (t, u) in f.r_index and x[f.r_index[t, u]]]
-        stages.append(
-            {"unit": s.unit, "ops": list(s.ops), "recompute": rec, "candidates": f.cand[t]}
-        )
+    off, algorithms, stages = _decisions(problem, f, x)
     return Solution(
         **base,
         formulation=formulation,
@@ -596,6 +559,61 @@ def _solve(
         variants_off=off,
         algorithms=algorithms,
     )
+
+
+def _solution_base(graph, profile, problem, mode, budget_bytes, solver, ablation) -> dict:
+    """The Solution's fields that describe the run, whatever the search finds."""
+    return dict(
+        model=graph.model,
+        fingerprint=graph.fingerprint,
+        batch=graph.batch,
+        input_shape=graph.input_shape,
+        dtype=graph.dtype,
+        device=profile.device,
+        mode=mode,
+        budget_bytes=int(budget_bytes),
+        solver=solver,
+        store_all_peak_bytes=problem.store_all_peak_bytes,
+        store_all_time_s=problem.store_all_time_s,
+        fixed_bytes=problem.fixed_bytes,
+        ablation=ablation,
+        input_grad=graph.input_grad,
+        outputs_held=graph.outputs_held,
+        autocast=graph.autocast,
+        variants=list(graph.variants),
+    )
+
+
+def _whose_smallest(frees: bool, formulation: str, ablation: bool) -> str:
+    """Which formulation a smallest feasible budget is the smallest of, for messages."""
+    if frees:
+        return " in the compact formulation with frees"
+    if formulation == "compact" and not ablation:
+        return (
+            " in the compact formulation (--frees or --formulation full free recomputed"
+            " values sooner)"
+        )
+    return ""
+
+
+def _decisions(problem, f, x) -> tuple[list[str], dict[str, list[int]], list[dict]]:
+    """What the 0/1 columns `x` decide: the variant sites turned off, the convolution
+    algorithms chosen (sites left to PyTorch's own omitted), and per stage its
+    recomputations."""
+    off = [c.site for k, c in enumerate(problem.choices) if x[f.off_col[k]]]
+    algorithms = {}
+    for a, (i, j) in zip(problem.algorithms, f.chosen_options(x), strict=True):
+        (forward,), _, _ = a.forward[i]
+        data, weight = a.backward[j][0] if j is not None else (-1, -1)
+        if (forward, data, weight) != (-1, -1, -1):
+            algorithms[a.site] = [int(forward), int(data), int(weight)]
+    stages = []
+    for t, s in enumerate(problem.stages):
+        rec = [u for u in f.cand[t] if (t, u) in f.r_index and x[f.r_index[t, u]]]
+        stages.append(
+            {"unit": s.unit, "ops": list(s.ops), "recompute": rec, "candidates": f.cand[t]}
+        )
+    return off, algorithms, stages
 
 
 __all__ = [
