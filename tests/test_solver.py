@@ -773,6 +773,7 @@ def test_cbc_stopped_without_a_schedule_returns_the_start(
     """CBC through cylp takes no start: when its time limit stops it before any schedule
     (as it does at low budgets on ResNet-50), the heuristic's schedule is the answer,
     its gap measured against CBC's bound where CBC had one."""
+    from monet_like import solver as solver_module
     from monet_like.solver import milp
 
     graph, prof, problem, low = resnet18_problem
@@ -782,24 +783,29 @@ def test_cbc_stopped_without_a_schedule_returns_the_start(
     stopped = [RawResult("error", None, None, None, None, 0.0, "CBC", "no schedule")]
     # Every CBC solve stops without a schedule, the start's re-solve included.
     monkeypatch.setattr(milp, "_solve_cbc", lambda *args, **kwargs: stopped[0])
-    f = formulate(problem, DEFAULT_DEPTH)
-    start, _ = start_schedule(f, budget, "CBC")  # what solve() will find
-    start_s = float(f.cost @ start) * MS
-    assert start_s > 0  # a schedule that recomputes, so that its gap is not 0 by definition
-    bound = None if bound_fraction is None else bound_fraction * start_s
-    stopped[0] = RawResult(
-        "error", None, None, bound, None, 0.0, "CBC", "no schedule (stopped on time)"
-    )
+    # CBC's bound, where it has one: a fraction of the start solve() finds (on the
+    # formulation with its cuts, found within a time limit: not known beforehand).
+    real_start = solver_module.start_schedule
+    starts = []
+
+    def start_then_bound(f, budget_bytes, solver):
+        x, how = real_start(f, budget_bytes, solver)
+        starts.append(float(f.cost @ x) * MS)
+        if bound_fraction is not None:
+            bound = bound_fraction * starts[-1]
+            stopped[0] = RawResult("error", None, None, bound, None, 0.0, "CBC", "stopped on time")
+        return x, how
+
+    monkeypatch.setattr(solver_module, "start_schedule", start_then_bound)
     lines = []
     sol = solve(graph, prof, budget, solver="CBC", time_limit=1, progress=lines.append)
+    assert starts and starts[-1] > 0  # a schedule that recomputes: its gap is not 0 by definition
     assert sol.status == "feasible"
-    if bound is None:
+    if bound_fraction is None:
         assert sol.gap is None
     else:
-        # solve() finds its start on the formulation with its cuts (found within a time
-        # limit), which may differ from the one above: the gap is its own against the bound.
-        assert sol.bound_s == bound
-        assert sol.gap == pytest.approx(1 - bound / sol.objective_s)
+        assert sol.gap == pytest.approx(1 - bound_fraction)
+        assert sol.bound_s == pytest.approx(bound_fraction * starts[-1])
     assert sol.predicted_peak_bytes <= budget
     assert sol.objective_s == pytest.approx(sol.stats["start_objective_s"])
     assert sol.stats["returned_start"]

@@ -31,22 +31,30 @@ SHAPE = (3, 16, 16)
 # -- the shipped zoo --------------------------------------------------------------------
 
 
-def test_the_shipped_zoo_holds_monets_five_configurations_and_verifies():
+MONETS = {  # MONeT's five configurations: model expression -> (batch, input shape)
+    "torchvision.models.resnet50()": (184, (3, 224, 224)),
+    "torchvision.models.googlenet()": (320, (3, 224, 224)),
+    "unet": (11, (3, 416, 608)),
+    "torchvision.models.mobilenet_v2()": (272, (3, 224, 224)),
+    "torchvision.models.vgg16()": (176, (3, 224, 224)),
+}
+
+
+def test_the_shipped_zoo_is_monets_configurations_and_verifies():
+    """Every entry is one of MONeT's configurations, within its budget, and its file
+    verifies; the headline model (ResNet-50 at 184) is there in both modes at every
+    budget from 10 to 5 GB."""
     entries = zoo.load_index()
-    models = {e.model for e in entries}
-    for expression in (
-        "torchvision.models.resnet50()",
-        "torchvision.models.googlenet()",
-        "unet",
-        "torchvision.models.mobilenet_v2()",
-        "torchvision.models.vgg16()",
-    ):
-        assert expression in models, f"the zoo has no {expression}"
-    assert {e.mode for e in entries} >= {"normal", "inplace_conv_multiway_newnode"}
-    assert zoo.verify() == []
     for e in entries:
+        assert MONETS.get(e.model) == (e.batch, tuple(e.input_shape)), e.name
         assert e.predicted_peak_bytes <= e.budget_bytes
         assert e.status in ("optimal", "feasible", "store-all")
+    assert zoo.verify() == []
+    headline = {
+        (e.mode, e.budget_gb) for e in entries if e.model == "torchvision.models.resnet50()"
+    }
+    for mode in ("normal", "inplace_conv_multiway_newnode"):
+        assert {b for m, b in headline if m == mode} == {10.0, 9.0, 8.0, 7.0, 6.0, 5.0}, mode
 
 
 def test_the_readmes_zoo_table_is_the_index():
