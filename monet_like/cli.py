@@ -445,10 +445,9 @@ def _from_zoo(args, spec, shape, dtype, device, out) -> dict | None:
     """The zoo's schedule for this configuration, checked and copied to `out`; None
     where the zoo has none (or one for another torch, device kind or graph), said so."""
     from monet_like import zoo
-    from monet_like.graph import capture
     from monet_like.schedule import build, check_budget
     from monet_like.solution import load
-    from monet_like.variants import apply as apply_variants
+    from monet_like.wrapper import solution_graph
 
     options = _naming(args)
     options.pop("input_shape"), options.pop("dtype")
@@ -466,16 +465,12 @@ def _from_zoo(args, spec, shape, dtype, device, out) -> dict | None:
             flush=True,
         )
         return None
-    captured = capture(spec.build("meta"), shape, args.batch, dtype, device, spec.expression)
-    graphs = [captured, apply_variants(captured, args.mode)]
-    if "conv" in graphs[1].variants:
-        graphs.append(apply_variants(captured, ("conv",)))
-    graph = next((g for g in graphs if g.fingerprint == entry.fingerprint), None)
-    if graph is None:
-        print(f"the zoo's {entry.name} is for another graph of this model: solving", flush=True)
-        return None
     path = zoo.resolve(entry.name)
     sol = load(path)
+    graph = solution_graph(spec.build("meta"), sol, device)
+    if graph.fingerprint != sol.fingerprint:
+        print(f"the zoo's {entry.name} is for another graph of this model: solving", flush=True)
+        return None
     peak = check_budget(graph, build(graph, sol), sol)  # validated and re-simulated
     if Path(path).resolve() != Path(out).resolve():
         sol.save(out)
@@ -629,6 +624,7 @@ def cmd_check(args) -> dict:
         autocast_context,
         compare_steps,
         measured_peak,
+        runs_native_lstm,
         training_step,
     )
     from monet_like.wrapper import ScheduleWrapper
@@ -694,10 +690,8 @@ def cmd_check(args) -> dict:
                 f" {diff.max_rel_grad_diff:.3g} relative, buffers {diff.max_abs_buffer_diff:.3g}"
             )
         # The verdict, against the reference running the replay's kernels: bitwise where
-        # those are eager's own, within VARIANT_TOLERANCE where variants run, or where a
-        # CPU LSTM runs (captured as PyTorch's native kernels, eager runs oneDNN's).
-        lstm = device.type == "cpu" and any(isinstance(m, torch.nn.LSTM) for m in model.modules())
-        bitwise = not sol.variants and not lstm
+        # those are eager's own, within VARIANT_TOLERANCE where variants or a CPU LSTM run.
+        bitwise = not sol.variants and not runs_native_lstm(model, device)
         exact = diff.bitwise if bitwise else diff.within(VARIANT_TOLERANCE)
         rule = "bitwise" if bitwise else f"within {VARIANT_TOLERANCE:g} relative"
         print(f"  check: equal to {label} ({rule}): {'ok' if exact else 'FAILED'}")

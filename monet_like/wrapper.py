@@ -60,6 +60,26 @@ class _Replay(torch.autograd.Function):
         return (None, None, None, x_grad, *out)
 
 
+def solution_graph(model: nn.Module, sol, device: str | torch.device):
+    """The graph `sol` (a Solution) runs on for `model`: the step captured as it was
+    solved (batch, dtype, loop, autocast) with the solution's variants rewritten in. A
+    mode's solve may keep the captured graph, or the convolution algorithms alone, when
+    that schedule is faster; format 1 files predate variants (none). Its fingerprint is
+    the solution's when the file belongs to this model."""
+    graph = capture(
+        model,
+        tuple(sol.input_shape),
+        sol.batch,
+        getattr(torch, sol.dtype),
+        device,
+        sol.model,
+        input_grad=sol.input_grad,
+        outputs_held=sol.outputs_held,
+        autocast=None if sol.autocast is None else getattr(torch, sol.autocast),
+    )
+    return apply_variants(graph, tuple(sol.variants or ()))
+
+
 class ScheduleWrapper(nn.Module):
     def __init__(
         self, model: nn.Module, solution_file: str | os.PathLike, input_shape: tuple[int, ...]
@@ -90,20 +110,7 @@ class ScheduleWrapper(nn.Module):
                 f"{solution_file} was solved for {sol.dtype}, this model's parameters are "
                 f"{str(param.dtype).removeprefix('torch.')}: solve again for this dtype"
             )
-        graph = capture(
-            model,
-            self.input_shape,
-            sol.batch,
-            getattr(torch, sol.dtype),
-            param.device,
-            sol.model,
-            input_grad=sol.input_grad,
-            outputs_held=sol.outputs_held,
-            autocast=None if sol.autocast is None else getattr(torch, sol.autocast),
-        )
-        # The variants the schedule runs on: a mode's solve may keep the captured graph
-        # when its schedule is faster (format 1 files predate variants: none).
-        graph = apply_variants(graph, tuple(sol.variants or ()))
+        graph = solution_graph(model, sol, param.device)
         if graph.fingerprint != sol.fingerprint:
             raise ScheduleMismatch(
                 f"{solution_file} was solved for another graph ({sol.model}, batch {sol.batch},"

@@ -207,7 +207,6 @@ def verify(folder: Path | None = None) -> list[str]:
     from monet_like.solution import SolutionFileError, load
 
     problems = []
-    folder = Path(folder)
     for e in load_index(folder):
         path = folder / e.file
         if not path.exists():
@@ -331,7 +330,7 @@ def resolve(name: str, url: str | None = None, folder: Path | None = None) -> Pa
     it matches the index, else one in the cache, else downloaded into the cache."""
     folder = _folder(folder)
     entry = find(name, folder)
-    for candidate in (Path(folder) / entry.file, cache_folder() / entry.file):
+    for candidate in (folder / entry.file, cache_folder() / entry.file):
         if candidate.exists() and candidate.stat().st_size == entry.size:
             if sha256_of(candidate) == entry.sha256:
                 return candidate

@@ -13,6 +13,7 @@ simulated on fake tensors (its peak within the budget) before it is written.
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import sys
 import time
@@ -24,6 +25,7 @@ from monet_like.graph import capture
 from monet_like.models import parse_model
 from monet_like.pipeline import compile_schedule
 from monet_like.profile import cache_path
+from monet_like.solution import load
 from monet_like.solver import InfeasibleBudget
 from monet_like.units import GIB
 from monet_like.variants import apply as apply_variants
@@ -71,12 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(0)
         model = spec.build("cpu")
         captured = capture(model, shape, batch, model_name=expression)
+
+        @functools.cache
+        def fingerprint_with(variants: tuple[str, ...], captured=captured) -> str:
+            return apply_variants(captured, variants).fingerprint
+
         for mode in args.modes.split(","):
-            graph = apply_variants(captured, mode)
             for budget_gb in (float(b) for b in args.budgets.split(",")):
                 name = entry_name(spec.name, batch, mode, budget_gb)
                 old = entries.get(name)
-                if old is not None and _current(old, folder, graph, captured):
+                if old is not None and _current(old, folder, fingerprint_with):
                     print(f"{name}: kept", flush=True)
                     continue
                 if name in infeasible and infeasible[name]["torch_version"] == torch.__version__:
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name}: infeasible ({exc})", flush=True)
                     continue
                 sol = compiled.solution
-                profiles = _ship_profiles(compiled.graph, captured, folder)
+                profiles = _ship_profiles(compiled, captured, folder)
                 entries[name] = entry_for(folder / f"{name}.json", name, budget_gb, profiles)
                 infeasible.pop(name, None)
                 write_index(list(entries.values()), folder, list(infeasible.values()))
@@ -122,25 +128,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _current(entry: ZooEntry, folder: Path, graph, captured) -> bool:
-    """The entry's file is there, unaltered, and solved on one of this mode's graphs."""
+def _current(entry: ZooEntry, folder: Path, fingerprint_with) -> bool:
+    """The entry's file is there, unaltered, solved with this torch, and its graph (the
+    captured one with the schedule's variants, as the wrapper rebuilds it) is today's."""
     path = folder / entry.file
-    fingerprints = {graph.fingerprint, captured.fingerprint}
-    if graph.variants and "conv" in graph.variants:
-        fingerprints.add(apply_variants(captured, ("conv",)).fingerprint)
-    return (
-        path.exists()
-        and sha256_of(path) == entry.sha256
-        and entry.fingerprint in fingerprints
-        and entry.torch_version == torch.__version__
-    )
+    if entry.torch_version != torch.__version__ or not path.exists():
+        return False
+    if sha256_of(path) != entry.sha256:
+        return False
+    return fingerprint_with(tuple(load(path).variants or ())) == entry.fingerprint
 
 
-def _ship_profiles(graph, captured, folder: Path) -> tuple[str, ...]:
-    """Copy the cached profiles a solve used into folder/profiles; their file names."""
+def _ship_profiles(compiled, captured, folder: Path) -> tuple[str, ...]:
+    """Copy the cached profiles a solve used (its graph's and the captured graph's, at
+    the batch they were taken) into folder/profiles; their file names."""
     shipped = []
+    graph, batch = compiled.graph, compiled.profile.profile_batch
     device = torch.device(graph.device)
-    batch = min(graph.batch, 4)  # the profiler's default batch on the CPU
     for g in {graph.fingerprint: graph, captured.fingerprint: captured}.values():
         source = cache_path(g, batch, device)
         if source.exists():

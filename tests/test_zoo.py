@@ -16,13 +16,11 @@ import torch
 from monet_like import zoo
 from monet_like.cli import main as monet_main
 from monet_like.cli import solve_main
-from monet_like.graph import capture
 from monet_like.models import parse_model
 from monet_like.pipeline import compile_schedule
 from monet_like.schedule import build, check_budget
 from monet_like.solution import load
-from monet_like.variants import apply as apply_variants
-from monet_like.wrapper import ScheduleWrapper
+from monet_like.wrapper import ScheduleWrapper, solution_graph
 
 TINY = "monet_like.models.unet:UNet(base=2, depth=1)"
 SHAPE = (3, 16, 16)
@@ -70,11 +68,9 @@ def test_a_shipped_entry_simulates_within_its_budget(which):
     """Re-simulated on fake tensors at its full batch (nothing allocated)."""
     entries = sorted(zoo.load_index(), key=lambda e: (e.model, e.mode, e.budget_gb))
     entry = entries[which]
-    spec = parse_model(entry.model)
-    captured = capture(spec.build("meta"), entry.input_shape, entry.batch, model_name=entry.model)
-    graphs = [captured, apply_variants(captured, entry.mode), apply_variants(captured, ("conv",))]
-    graph = next(g for g in graphs if g.fingerprint == entry.fingerprint)
     sol = load(zoo.ZOO_DIR / entry.file)
+    graph = solution_graph(parse_model(entry.model).build("meta"), sol, "cpu")
+    assert graph.fingerprint == entry.fingerprint
     peak = check_budget(graph, build(graph, sol), sol)
     assert peak == entry.predicted_peak_bytes <= entry.budget_bytes
 
