@@ -277,7 +277,7 @@ def download(
                 got = 0
                 bar = tqdm(
                     total=entry.size, unit="B", unit_scale=True, desc=entry.name,
-                    disable=progress is False or (progress is None and not _terminal()),
+                    disable=None if progress is None else not progress,  # None: a terminal's
                 )  # fmt: skip
                 with bar:
                     while block := r.read(1 << 16):
@@ -290,39 +290,24 @@ def download(
             if got < entry.size:
                 raise ConnectionError(f"the connection ended after {got} of {entry.size} bytes")
             if got > entry.size or h.hexdigest() != entry.sha256:
-                raise _Altered()
+                raise ZooError(
+                    f"{address}: its size or sha256 is not the index's: the mirror's copy was"
+                    " altered; nothing was kept"
+                )
             os.replace(tmp, target)
             return target
-        except _Altered:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise ZooError(
-                f"{address}: its size or sha256 is not the index's: the mirror's copy was altered;"
-                " nothing was kept"
-            ) from None
         except urllib.error.HTTPError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             if exc.code == 404:
                 raise ZooError(f"{address}: not on the mirror (404)") from None
             last = f"HTTP {exc.code}"
         except (urllib.error.URLError, OSError, ConnectionError) as exc:
+            last = str(getattr(exc, "reason", exc))
+        finally:  # whatever happened, no partial file stays (after the rename: none is left)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            last = str(getattr(exc, "reason", exc))
         if attempt + 1 < retries:
             time.sleep(min(2.0**attempt, 5.0))
     raise ZooError(f"{address}: download failed after {retries} tries ({last}); nothing kept")
-
-
-class _Altered(Exception):
-    pass
-
-
-def _terminal() -> bool:
-    import sys
-
-    return sys.stderr.isatty()
 
 
 def resolve(name: str, url: str | None = None, folder: Path | None = None) -> Path:
