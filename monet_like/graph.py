@@ -294,7 +294,12 @@ def _trace(
         example.requires_grad_(True)
     with fake_mode:  # a first, untraced pass to learn the outputs' structure
         leaves, spec, diff = _differentiable(forward(fake_params, fake_buffers, example))
-        tangents = [torch.ones((), dtype=leaves[i].dtype).expand(leaves[i].shape) for i in diff]
+        # on the outputs' device: a CPU scalar expanded is no CPU scalar, and a CUDA matmul
+        # refuses it
+        tangents = [
+            torch.ones((), dtype=leaves[i].dtype, device=leaves[i].device).expand(leaves[i].shape)
+            for i in diff
+        ]
 
     def step(params, buffers, x, tangents):
         leaves, _, diff = _differentiable(forward(params, buffers, x))
@@ -368,7 +373,9 @@ def _in_layout_of(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tenso
         return grad
     if not _obeys_layout(param, param):  # not dense: AccumulateGrad wants it contiguous
         return grad.contiguous()
-    return torch.empty_strided(param.shape, param.stride(), dtype=grad.dtype).copy_(grad)
+    return torch.empty_strided(
+        param.shape, param.stride(), dtype=grad.dtype, device=grad.device
+    ).copy_(grad)
 
 
 @contextlib.contextmanager

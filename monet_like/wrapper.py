@@ -38,6 +38,7 @@ class _Replay(torch.autograd.Function):
         env, outputs = executor.forward(params, buffers, x)
         ctx.executor, ctx.env, ctx.n_outputs = executor, env, len(outputs)
         ctx.diff_index, ctx.requires = diff_index, [p.requires_grad for p in params]
+        ctx.device = x.device
         tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
         ctx.mark_non_differentiable(
             *[o for i, o in enumerate(outputs) if o is not None and i not in diff_index]
@@ -51,7 +52,7 @@ class _Replay(torch.autograd.Function):
         tangents = []
         for i in ctx.diff_index:
             g = by_position.get(i)
-            tangents.append(g if g is not None else torch.zeros(()))
+            tangents.append(g if g is not None else torch.zeros((), device=ctx.device))
         grads = ctx.executor.backward(ctx.env, tangents)
         ctx.env = None
         param_grads = iter(grads)

@@ -87,3 +87,21 @@ def test_capture_of_large_batch_allocates_nothing():
     model = parse_model("torchvision.models.resnet50()").build("meta")
     graph = capture(model, (3, 224, 224), 184)
     assert graph.batch == 184 and len(graph.nodes) > 200
+
+
+def test_capture_on_another_device_than_the_model():
+    """A step captured for another device (`solve.py --device cuda` with the model built on
+    the CPU; "meta" stands in for a GPU here) puts every tensor the step makes there: the
+    incoming gradients and the channels-last weight-gradient copies included."""
+    spec = parse_model("torchvision.models.resnet18()")
+    model = spec.build("cpu").to(memory_format=torch.channels_last)
+    on_meta = capture(model, (3, 32, 32), 2, device="meta")
+    # kernels differ by device (layouts of weight gradients, CPU's pooling decomposition),
+    # so the two graphs' ops differ; what they hold does not
+    assert on_meta.grad_bytes == capture(model, (3, 32, 32), 2).grad_bytes
+    devices = {
+        n.meta["val"].device.type
+        for n in on_meta.fx.graph.nodes
+        if isinstance(n.meta.get("val"), torch.Tensor)
+    }
+    assert devices == {"meta"}
