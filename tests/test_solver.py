@@ -940,3 +940,21 @@ def test_a_real_graphs_optimum_breaks_no_recompute_count_cut(resnet18_problem):
     # CBC gets the cuts through solve(), which reports the LP bound they reached.
     sol = solve(graph, prof, budget, solver="CBC", time_limit=60)
     assert sol.stats["cut_lp_before_s"] <= sol.stats["cut_lp_after_s"] <= sol.objective_s + 1e-9
+
+
+def test_a_solver_needs_only_its_own_binding(monkeypatch):
+    """HiGHS and CBC are called through highspy and cylp: a missing cvxpy must not stop them,
+    and a missing binding is named with its install command."""
+    import sys
+
+    from monet_like.errors import UserError
+    from monet_like.solver.milp import check_solver
+
+    monkeypatch.setitem(sys.modules, "cvxpy", None)  # import cvxpy now raises ImportError
+    check_solver("HIGHS")
+    check_solver("CBC")
+    with pytest.raises(UserError, match="pip install cvxpy"):
+        check_solver("SCIP")
+    monkeypatch.setitem(sys.modules, "highspy", None)
+    with pytest.raises(UserError, match="pip install highspy"):
+        check_solver("HIGHS")

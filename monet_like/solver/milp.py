@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 
@@ -81,12 +82,20 @@ def check_solver(solver: str) -> None:
         except ImportError:
             raise UserError("solver PULP is not installed: pip install pulp") from None
         return
-    import cvxpy as cp
+    # HiGHS and CBC are called through their own bindings, the others through cvxpy
+    module = {"HIGHS": ("highspy", "pip install highspy"), "CBC": ("cylp", "pip install cylp")}
+    if solver in module:
+        name, how = module[solver]
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise UserError(f"solver {solver} is not installed: {how}") from None
+        return
+    try:
+        import cvxpy as cp
+    except ImportError:
+        raise UserError(f"solver {solver} is reached through cvxpy: pip install cvxpy") from None
 
     if solver not in cp.installed_solvers():
-        how = {
-            "CBC": "pip install cylp",
-            "HIGHS": "pip install highspy",
-            "GUROBI": "pip install gurobipy (and a Gurobi licence)",
-        }.get(solver, "")
+        how = "pip install gurobipy (and a Gurobi licence)" if solver == "GUROBI" else ""
         raise UserError(f"solver {solver} is not installed for cvxpy: {how}".rstrip(": "))
