@@ -18,6 +18,7 @@ from monet_like.pipeline import compile_schedule
 from monet_like.solution import SolutionFileError, load
 from monet_like.solver.problem import build_problem
 from monet_like.validate import ScheduleError
+from monet_like.variants.conv import eager_with_algorithms
 from monet_like.verify import compare_with_eager, measured_peak
 from monet_like.wrapper import ScheduleMismatch, ScheduleWrapper
 
@@ -327,3 +328,25 @@ def test_edited_decisions_are_refused_or_replay_exactly_within_budget(
     x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(3))
     assert compare_with_eager(model, path, (3, 16, 16), x).bitwise
     assert measured_peak(wrapped, x) <= load(path).budget_bytes
+
+
+def test_full_mode_under_autocast_keeps_float32_batch_norms_out_of_place(tmp_path):
+    """Under bfloat16 autocast a BatchNorm with float32 parameters keeps float32 statistics of
+    its bfloat16 input; the in-place BatchNorm writes them in the input's dtype, so the full
+    mode leaves such a BatchNorm as it is, and the replay stays exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Flatten(), nn.Linear(8 * 16 * 16, 10),
+    )  # fmt: skip
+    path = tmp_path / "mixed.json"
+    compiled = solved(model, (3, 16, 16), 4, 0.5, path, mode="inplace_conv_multiway_newnode",
+                      autocast=torch.bfloat16)  # fmt: skip
+    algorithms = compiled.solution.algorithms
+    # eager running the convolution algorithms the schedule chose
+    reference = eager_with_algorithms(model, compiled.graph, algorithms) if algorithms else None
+    x = torch.randn(4, 3, 16, 16)
+    assert compare_with_eager(model, path, (3, 16, 16), x, reference).bitwise
+    wrapped = ScheduleWrapper(model, path, (3, 16, 16))
+    assert measured_peak(wrapped, x) <= wrapped.solution.predicted_peak_bytes

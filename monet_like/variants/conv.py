@@ -143,6 +143,17 @@ def eager_with_algorithms(
         conv = copied.get_submodule(module_of[site["forward"][0]])
         geometry = (list(conv.stride), list(conv.padding), list(conv.dilation), conv.groups)
         conv.forward = lambda x, c=conv, g=geometry, a=chosen: _ConvWithAlgorithms.apply(
-            x, c.weight, c.bias, g, a
+            *_as_autocast_would(x, c.weight, c.bias), g, a
         )
     return copied
+
+
+def _as_autocast_would(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """A convolution's operands cast as autocast casts them for aten's convolution (which it
+    runs in the lower precision), since it does not know the custom op; unchanged outside
+    autocast."""
+    device = next(t for t in tensors if t is not None).device.type
+    if not torch.is_autocast_enabled(device):
+        return list(tensors)
+    dtype = torch.get_autocast_dtype(device)
+    return [t if t is None or not t.is_floating_point() else t.to(dtype) for t in tensors]

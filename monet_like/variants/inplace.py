@@ -93,6 +93,14 @@ def _add_in_place(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> 
     return changed
 
 
+def _mixed_precision(x: torch.fx.Node, *others) -> bool:
+    """Whether a BatchNorm's parameters or statistics are of another dtype than its input (a
+    float32 BatchNorm under autocast): aten keeps such statistics in float32, which the
+    in-place kernel, writing them in the input's dtype, does not."""
+    dtype = x.meta["val"].dtype
+    return any(isinstance(o, torch.fx.Node) and o.meta["val"].dtype != dtype for o in others)
+
+
 def _batch_norm_in_place(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
     ops = torch.ops.monet_like
     uses = Uses(graph, gm)
@@ -102,7 +110,7 @@ def _batch_norm_in_place(graph: Graph, gm: torch.fx.GraphModule, sites: list[dic
         items = getitems(fwd)
         if not training or 0 not in items or not _overwritable(x, items[0], uses):
             continue
-        if not uses.dead_after(x, fwd):
+        if not uses.dead_after(x, fwd) or _mixed_precision(x, weight, bias, mean, var):
             continue
         for site in sites:  # its backward must read the output now: no longer a choice
             if site["owner"] == fwd.name:
