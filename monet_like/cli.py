@@ -623,6 +623,7 @@ def cmd_check(args) -> dict:
         VARIANT_TOLERANCE,
         autocast_context,
         compare_steps,
+        full_float32,
         measured_peak,
         runs_native_lstm,
         training_step,
@@ -674,9 +675,13 @@ def cmd_check(args) -> dict:
             same = eager_with_algorithms(model, wrapped.graph, sol.algorithms)
             label = "eager PyTorch with the same convolution algorithms"
             references.append((label, "_same_kernels", same))
-        replay_step = training_step(wrapped_copy, replayed, x, sol.input_grad, sol.autocast)
+        if device.type == "cuda":
+            print("  compared in full float32 (TF32 off on both sides)")
+        with full_float32():
+            replay_step = training_step(wrapped_copy, replayed, x, sol.input_grad, sol.autocast)
         for label, suffix, eager in references:
-            eager_step = training_step(eager, eager, x, sol.input_grad, sol.autocast)
+            with full_float32():
+                eager_step = training_step(eager, eager, x, sol.input_grad, sol.autocast)
             diff = compare_steps(eager, eager_step, replayed, replay_step)
             report.update({f"{key}{suffix}": value for key, value in diff.as_dict().items()})
             if diff.max_abs_input_grad_diff is not None:

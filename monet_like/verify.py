@@ -58,6 +58,20 @@ class Comparison:
         return asdict(self)
 
 
+@contextlib.contextmanager
+def full_float32():
+    """float32 convolutions and matrix products without TF32 on CUDA, for comparisons: TF32
+    rounds their inputs to 10-bit mantissas, so two summation orders (another algorithm, a
+    variant's kernel) differ by 1e-3 relative there (ResNet-18 on an H200: 1.9e-3 with it,
+    1.5e-5 without)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def autocast_context(device_type: str, dtype: str | None):
     """torch.autocast in `dtype` ("bfloat16"...), or nothing where None."""
     if dtype is None:
@@ -132,15 +146,17 @@ def compare_with_eager(
     wrapped = ScheduleWrapper(replayed, solution_file, input_shape)
     sol = wrapped.solution
     eager = reference if reference is not None else copy.deepcopy(model)
-    eager_step = training_step(eager, eager, x, sol.input_grad, sol.autocast)
-    replay_step = training_step(wrapped, replayed, x, sol.input_grad, sol.autocast)
+    with full_float32():
+        eager_step = training_step(eager, eager, x, sol.input_grad, sol.autocast)
+        replay_step = training_step(wrapped, replayed, x, sol.input_grad, sol.autocast)
     return compare_steps(eager, eager_step, replayed, replay_step)
 
 
 def measured_peak(wrapped, x: torch.Tensor) -> int:
     """Peak bytes of one replayed step of the loop the schedule was solved for (outputs
     held or not, autocast or not), seen by PyTorch's CPU allocator (kernels' scratch
-    included) or, on CUDA, by the caching allocator's statistics."""
+    included) or, on CUDA, by the caching allocator's statistics (bytes requested, after a
+    first step)."""
     from monet_like.memory import measure, measure_allocator, state_tensors
 
     sol = wrapped.solution
@@ -160,6 +176,8 @@ def measured_peak(wrapped, x: torch.Tensor) -> int:
     model.zero_grad(set_to_none=True)
     live = [*state_tensors(model), x]
     if x.device.type == "cuda":
+        step()  # the libraries' persistent workspaces come with a process's first step
+        model.zero_grad(set_to_none=True)
         peak = measure(step, live, x.device).peak_bytes
     else:
         peak = measure_allocator(step, live)

@@ -3,6 +3,8 @@
 #   1. the CUDA kernels built and compared with their references on the GPU;
 #   2. one replay on CUDA: measured peak (the CUDA caching allocator) against the
 #      predicted peak and the budget, and gradients against eager PyTorch;
+#      then the allocator's bytes per step (first and second, replay and eager) and the
+#      differences with TF32 on and off (scripts/gpu_replay_probe.py);
 #   3. the zoo's entries simulated within their budgets (they are profiled on the CPU:
 #      a GPU solve of the same configuration is a separate profile).
 # Usage: bash scripts/gpu_check.sh   (after install.sh; prints one block per check)
@@ -19,6 +21,8 @@ timeout 300 "$PY" solve.py "torchvision.models.resnet18()" 32 0.123 inplace_conv
     --input_shape 3,64,64 --device cuda --time_limit 60 --no_zoo --output "$out/gpu.json" --force || status=1
 timeout 120 "$PY" schedule.py "torchvision.models.resnet18()" 32 0.123 inplace_conv_multiway_newnode HIGHS \
     --input_shape 3,64,64 --device cuda --solution_file "$out/gpu.json" --run_bs --check_diff || status=1
+echo "== 2b. where the replay's memory goes; TF32 on and off"
+timeout 120 "$PY" scripts/gpu_replay_probe.py "$out/gpu.json" || status=1
 echo "== 3. zoo entries"
 timeout 120 "$PY" -m monet_like zoo verify || status=1
 echo "== gpu_check exit $status"

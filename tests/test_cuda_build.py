@@ -92,6 +92,7 @@ def _extra_includes(cuda_home: str) -> tuple[list[str], bool]:
 
 # Runs in a fresh interpreter: build, load, check the registrations; with a GPU, compare.
 _SCRIPT = r"""
+import faulthandler
 import json
 import sys
 
@@ -100,6 +101,7 @@ import torch.nn.functional as F
 from torch.nn.grad import conv2d_input, conv2d_weight
 from torch.utils import cpp_extension
 
+faulthandler.enable()  # a crash in a kernel prints where it happened
 args = json.loads(sys.argv[1])
 cpp_extension.load(
     name="monet_like_ops_cuda_test",
@@ -134,8 +136,11 @@ def same(got, want, tol=0.0):
     torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol, equal_nan=True)
 
 
-for dtype in TOL:
-    tol = TOL[dtype]
+def cuda(t):
+    return None if t is None else t.cuda()
+
+
+def check_relu(dtype, tol):
     x = torch.randn(2, 3, 7, 9, dtype=dtype)
     x[0, 0, 0, :3] = torch.tensor([float("nan"), 0.0, -0.0])
     g = torch.randn_like(x)
@@ -143,6 +148,9 @@ for dtype in TOL:
     mask = ops.relu_mask(x)
     same(ops.relu_backward_mask(g.cuda(), mask.cuda()), ops.relu_backward_mask(g, mask))
 
+
+def check_max_pool(dtype, tol):
+    x = torch.randn(2, 3, 7, 9, dtype=dtype)
     for pool in (([3, 3], [2, 2], [1, 1], [1, 1], False), ([2, 2], [], [0, 0], [1, 1], True),
                  ([3, 2], [2, 1], [1, 0], [2, 1], True)):
         out, idx = ops.max_pool2d_compact(x.cuda(), *pool)
@@ -153,26 +161,29 @@ for dtype in TOL:
         got = ops.max_pool2d_compact_backward(dy.cuda(), idx, list(x.shape), *pool)
         same(got, ops.max_pool2d_compact_backward(dy, want_idx, list(x.shape), *pool), tol)
 
+
+def check_hardtanh(dtype, tol):
     y = torch.clamp(torch.randn(4, 3, 5, dtype=dtype), -1.0, 1.0)
     dy = torch.randn_like(y)
     same(ops.hardtanh_backward_from_output(dy.cuda(), y.cuda(), -1.0, 1.0),
          ops.hardtanh_backward_from_output(dy, y, -1.0, 1.0))
 
+
+def check_batch_norm_backward(dtype, tol):
     pdtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     w = torch.rand(3, dtype=pdtype) + 0.5
     b = torch.randn(3, dtype=pdtype)
     invstd = torch.rand(3, dtype=pdtype) + 0.5
+    mean = torch.randn(3, dtype=pdtype)
     y = torch.randn(4, 3, 5, 6, dtype=dtype)
     dy = torch.randn_like(y)
     for weight, bias in ((w, b), (None, None)):
         for mask3 in ([True, True, True], [True, False, True], [False, True, False]):
-            cuda = lambda t: None if t is None else t.cuda()  # noqa: E731
             got = ops.batch_norm_backward_from_output(
                 dy.cuda(), y.cuda(), cuda(weight), cuda(bias), invstd.cuda(), mask3)
             want = ops.batch_norm_backward_from_output(dy, y, weight, bias, invstd, mask3)
             for a, e in zip(got, want, strict=True):
                 same(a, e, tol)
-            mean = torch.randn(3, dtype=pdtype)
             got = ops.batch_norm_backward_from_input(
                 dy.cuda(), y.cuda(), cuda(weight), mean.cuda(), invstd.cuda(), mask3)
             want = ops.batch_norm_backward_from_input(dy, y, weight, mean, invstd, mask3)
@@ -185,16 +196,25 @@ for dtype in TOL:
                 for a, e in zip((dyc, *got), want, strict=True):
                     same(a, e, tol)
 
-    xc = x.cuda()
-    rm, rv = torch.zeros(3, dtype=pdtype), torch.ones(3, dtype=pdtype)
-    rmc, rvc = rm.cuda(), rv.cuda()
-    got = ops.batch_norm_inplace_(xc, w.cuda(), b.cuda(), rmc, rvc, 0.1, 1e-5)
-    want = ops.batch_norm_inplace_(x, w, b, rm, rv, 0.1, 1e-5)
-    for a, e in zip((xc, *got, rmc, rvc), (x, *want, rm, rv), strict=True):
-        same(a, e, tol)
 
+def check_batch_norm_in_place(dtype, tol):
+    # against aten's own training BatchNorm on the GPU: it keeps half and bfloat16 inputs'
+    # statistics in float32 there (on the CPU in the input's dtype); parameters in the input's
+    # dtype, as the full mode leaves mixed-precision BatchNorms alone
+    x = torch.randn(2, 3, 7, 9, dtype=dtype, device="cuda")
+    w = torch.rand(3, dtype=dtype, device="cuda") + 0.5
+    b = torch.randn(3, dtype=dtype, device="cuda")
+    rm, rv = torch.zeros(3, dtype=dtype, device="cuda"), torch.ones(3, dtype=dtype, device="cuda")
+    want_rm, want_rv = rm.clone(), rv.clone()
+    want = torch.ops.aten.native_batch_norm(x, w, b, want_rm, want_rv, True, 0.1, 1e-5)
+    got = ops.batch_norm_inplace_(x, w, b, rm, rv, 0.1, 1e-5)
+    for a, e in zip((x, *got, rm, rv), (*want, want_rm, want_rv), strict=True):
+        same(a, e.cpu(), tol)
+
+
+def check_cudnn_conv(dtype, tol):
     if dtype == torch.bfloat16:
-        continue  # the conv checks below: float, double, half
+        return  # float, double and half
     conv = dict(stride=[2, 1], padding=[1, 1], dilation=[1, 2], groups=2)
     cargs = list(conv.values())
     x = torch.randn(2, 4, 9, 10, dtype=dtype)
@@ -228,13 +248,51 @@ for dtype in TOL:
                                                      algo)
                 want = want_dw
             torch.testing.assert_close(got.cpu().double(), want, rtol=ctol, atol=ctol)
+    print("CUDNN ALGORITHMS", dtype, [len(a) for a in lists])
+
+
+def raises(call, match):
     try:
-        ops.conv_cudnn_forward(x.cuda(), wt.cuda(), None, *cargs, 99)
+        call()
     except RuntimeError as exc:
-        assert "out of range" in str(exc), exc
+        assert match in str(exc), exc
     else:
-        raise AssertionError("algorithm 99 was accepted")
-    print("COMPARED", dtype, [len(a) for a in lists])
+        raise AssertionError(f"accepted: expected an error saying {match!r}")
+
+
+def check_errors_raise(dtype, tol):
+    # after the others: an error thrown by a kernel must reach Python as a RuntimeError
+    g = torch.randn(16, dtype=dtype)
+    print("  from the CPU kernel (ops.cpp)", flush=True)  # whether any throw crashes, or CUDA's
+    raises(lambda: ops.relu_backward_mask(g, g), "mask must be uint8")
+    g = g.cuda()
+    print("  from the CUDA kernel (ops_cuda.cu)", flush=True)
+    raises(lambda: ops.relu_backward_mask(g, g), "mask must be uint8")
+    if dtype == torch.bfloat16:
+        return
+    x = torch.randn(2, 4, 9, 10, dtype=dtype, device="cuda")
+    wt = torch.randn(6, 4, 3, 3, dtype=dtype, device="cuda")
+    raises(lambda: ops.conv_cudnn_forward(x, wt, None, [1, 1], [1, 1], [1, 1], 1, 99),
+           "out of range")
+
+
+# Every check runs, each named before it starts (a crash in a kernel is then placed by the
+# last CHECK line and faulthandler's traceback); a GPU's minutes are too few for one
+# failure per run.
+failures = []
+CHECKS = (check_relu, check_max_pool, check_hardtanh, check_batch_norm_backward,
+          check_batch_norm_in_place, check_cudnn_conv, check_errors_raise)
+for check in CHECKS:
+    for dtype, tol in TOL.items():
+        print("CHECK", check.__name__, dtype, flush=True)
+        try:
+            check(dtype, tol)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported below, all of them
+            failures.append(f"{check.__name__} {dtype}: {type(exc).__name__}: {exc}")
+            print("FAIL", failures[-1], flush=True)
+if failures:
+    sys.exit("GPU FAILURES:\n" + "\n".join(failures))
 print("GPU OK")
 """
 
@@ -279,7 +337,7 @@ def test_cuda_sources_build_and_register() -> None:
         timeout=3600,
     )
     log = proc.stdout + proc.stderr
-    tail = "\n".join(log.strip().splitlines()[-60:])
+    tail = "\n".join(log.strip().splitlines()[-120:])
     assert proc.returncode == 0, f"CUDA build or check failed in {build_dir}:\n{tail}"
     assert f"REGISTERED {len(ops)}" in proc.stdout, tail
     if torch.cuda.is_available():
