@@ -4,6 +4,7 @@ precision; and the validator that refuses a schedule file edited to break any of
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -350,3 +351,42 @@ def test_full_mode_under_autocast_keeps_float32_batch_norms_out_of_place(tmp_pat
     assert compare_with_eager(model, path, (3, 16, 16), x, reference).bitwise
     wrapped = ScheduleWrapper(model, path, (3, 16, 16))
     assert measured_peak(wrapped, x) <= wrapped.solution.predicted_peak_bytes
+
+
+def test_rounding_is_told_from_a_wrong_step_by_a_float64_step():
+    """A BatchNorm's bias before another BatchNorm has a gradient of zero in exact arithmetic:
+    in float32 it is rounding noise, which other convolution algorithms change by ~100%
+    (the per-tensor relative rule fails). Against the step in float64 such a replay is as
+    far off as eager; a step that computes something else (another epsilon) is not."""
+    from types import SimpleNamespace
+
+    from monet_like.variants import apply
+    from monet_like.verify import (
+        ROUNDING_RATIO,
+        VARIANT_TOLERANCE,
+        compare_steps,
+        float64_error_ratio,
+        training_step,
+    )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Conv2d(16, 16, 1),
+        nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 8 * 8, 10),
+    )  # fmt: skip
+    x = torch.randn(8, 3, 8, 8)
+    graph = apply(capture(model, (3, 8, 8), 8), ("conv",))
+    im2col = {site["id"]: [0, 0, 0] for site in graph.sites if site.get("algorithm")}
+    sol = SimpleNamespace(autocast=None, input_grad=False)
+    eager = copy.deepcopy(model)
+    eager_step = training_step(eager, eager, x)
+    other = eager_with_algorithms(model, graph, im2col)
+    other_step = training_step(other, other, x)
+    diff = compare_steps(eager, eager_step, other, other_step)
+    assert not diff.within(VARIANT_TOLERANCE)  # bn1.bias: 3e-7 of noise, changed by ~100%
+    ratio = float64_error_ratio(model, x, sol, eager, eager_step, other, other_step)
+    assert ratio <= ROUNDING_RATIO
+    wrong = copy.deepcopy(model)
+    wrong[1].eps = 1e-4
+    wrong_step = training_step(wrong, wrong, x)
+    assert float64_error_ratio(model, x, sol, eager, eager_step, wrong, wrong_step) > 100
