@@ -390,3 +390,42 @@ def test_rounding_is_told_from_a_wrong_step_by_a_float64_step():
     wrong[1].eps = 1e-4
     wrong_step = training_step(wrong, wrong, x)
     assert float64_error_ratio(model, x, sol, eager, eager_step, wrong, wrong_step) > 100
+
+
+def test_output_activated_batch_norm_refuses_a_zero_gamma_in_one_line(tmp_path):
+    """Residual branches zero-initialised (timm's default for ResNets; torchvision's
+    zero_init_residual) start with gamma = 0, which output-activated BatchNorm divides by:
+    the full mode refuses naming the weight; a mode without multiway solves."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 16 * 16, 10),
+    )  # fmt: skip
+    nn.init.zeros_(model[1].weight)
+    with pytest.raises(UserError, match=r"weight 1\.weight is zero"):
+        solved(model, (3, 16, 16), 2, 1.0, tmp_path / "full.json",
+               mode="inplace_conv_multiway_newnode")  # fmt: skip
+    solved(model, (3, 16, 16), 2, 1.0, tmp_path / "no_multiway.json", mode="inplace_newnode")
+
+
+class RotaryLike(nn.Module):
+    """Qwen2's rotary embedding, small: `q * cos + rotate_half(q) * sin` with q a transposed
+    view, so the sum is laid out as q is; added in place into the contiguous second term
+    instead, a later view of it (transpose, reshape) no longer fits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q = self.q(x).view(x.shape[0], 8, 2, 8).transpose(1, 2)
+        rotated = torch.cat((-q[..., 4:], q[..., :4]), dim=-1)
+        y = q * 2.0 + rotated * 3.0
+        return self.o(y.transpose(1, 2).reshape(x.shape[0], 8, 16))
+
+
+def test_in_place_add_keeps_the_layout_later_views_need(tmp_path):
+    torch.manual_seed(0)
+    model = RotaryLike()
+    solved(model, (8, 16), 4, 1.0, tmp_path / "s.json", mode="inplace")
+    assert_exact(model, tmp_path / "s.json", (8, 16), 4)

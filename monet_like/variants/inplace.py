@@ -39,9 +39,13 @@ def _overwritable(value, node, uses: Uses) -> bool:
     t, out = value.meta.get("val"), node.meta.get("val")
     if not isinstance(t, torch.Tensor) or not isinstance(out, torch.Tensor):
         return False
+    # the same strides too: an in-place op leaves its input's layout, where the op it
+    # replaces may have laid its output out after another operand's (Qwen2's rotary
+    # embedding: a later view of the result then no longer fits)
     return (
         t.shape == out.shape
         and t.dtype == out.dtype
+        and t.stride() == out.stride()
         and (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last))
         and uses.dead_after(value, node)
     )
