@@ -133,6 +133,7 @@ def compile_schedule(
         autocast=autocast,
     )
     graph = apply_variants(captured, mode)
+    _refuse_zero_gammas(model, graph, mode)
     if progress is not None:
         progress(graph.summary())
         if graph.sites:
@@ -195,6 +196,25 @@ def compile_schedule(
     if output is not None:
         sol.save(output)
     return Compiled(sol, graph, prof, low)
+
+
+def _refuse_zero_gammas(model: nn.Module, graph, mode: str) -> None:
+    """Output-activated BatchNorm recovers its input by dividing by gamma: a mode with it
+    cannot even be profiled on a model whose gammas start at zero (timm's and torchvision's
+    zero-initialised last BatchNorm of each residual block). Refused in one line."""
+    from monet_like.variants.multiway import GAMMA_MIN, output_activated_weights
+
+    for name in output_activated_weights(graph):
+        try:
+            weight = model.get_parameter(name)
+        except AttributeError:
+            continue
+        if weight.device.type != "meta" and float(weight.detach().abs().min()) < GAMMA_MIN:
+            raise UserError(
+                f"BatchNorm weight {name} is zero (a zero-initialised residual branch?): mode"
+                f" {mode!r}'s output-activated BatchNorm divides by it; use a mode without"
+                " 'multiway' (e.g. inplace_conv_newnode), or solve once training has moved it"
+            )
 
 
 def _solving_line(budget_bytes, mode, solver, formulation, frees, time_limit) -> str:

@@ -26,6 +26,7 @@ from monet_like.graph import capture
 from monet_like.schedule import Executor, build, check_budget
 from monet_like.solution import load
 from monet_like.variants import apply as apply_variants
+from monet_like.variants.multiway import GAMMA_MIN
 
 
 class ScheduleMismatch(UserError):
@@ -196,9 +197,6 @@ class ScheduleWrapper(nn.Module):
                 leaves.append(tensors[k])
                 k += 1
         return tree_unflatten(leaves, self._graph.out_spec)
-
-
-GAMMA_MIN = 1e-8  # the smallest |gamma| batch_norm_backward_from_output accepts
 
 
 def _output_activated_gammas(schedule) -> list[int]:
