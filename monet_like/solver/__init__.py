@@ -73,6 +73,7 @@ def _store_all(problem: Problem, base: dict) -> Solution:
 
 
 MIN_BUDGET_TIME_LIMIT = 300.0  # seconds; past it the best budget found is reported
+START_PEAK_SEARCH_SHARE = 0.25  # of the time limit, for a start where the heuristics fail
 
 
 def min_feasible_budget(
@@ -263,9 +264,9 @@ def solve(
         progress(f"times: {profile.aligned}")
     attempts = candidate_graphs(graph, profile, baseline)
     deadline = None if time_limit is None else time.perf_counter() + time_limit
-    solved, infeasible = [], []
+    solved, infeasible, stopped = [], [], []
     for k, (what, g, p, ref) in enumerate(attempts):
-        if progress is not None and solved + infeasible:
+        if progress is not None and solved + infeasible + stopped:
             progress(f"solving {what} too, to keep the fastest schedule")
         if deadline is not None:
             # The mode's graph first, with the limit less a share kept for each graph
@@ -277,6 +278,12 @@ def solve(
             solved.append((what, _solve(g, p, budget_bytes, reference=ref, **options)))
         except InfeasibleBudget as exc:
             infeasible.append((what, exc))
+        except UserError as exc:  # its share of the time ended with no schedule
+            if progress is not None:
+                progress(f"no schedule on {what} in its share of the time: {exc}")
+            stopped.append((what, exc))
+    if not solved and stopped and (stopped[0][0] == attempts[0][0] or not infeasible):
+        raise stopped[0][1]
     if not solved:
         # The lowest smallest budget is the mode's: a budget at it is solved on that
         # graph. Mostly the variants'; VGG-16 (176) in the full mode: 11.723 GB with
@@ -467,7 +474,9 @@ def _solve(
         if progress is not None:
             progress(_cuts_line(cut_stats))
     t0 = time.perf_counter()
-    start, how = start_schedule(f, budget_bytes, solver)
+    # near the smallest budget only the least-peak search finds a start: a share of the time
+    peak_search_s = START_PEAK_SEARCH_SHARE * (time_limit or MIN_BUDGET_TIME_LIMIT)
+    start, how = start_schedule(f, budget_bytes, solver, peak_search_s)
     if start is not None and not is_feasible(f, start, budget_bytes):
         start, how = None, "the heuristic's schedule broke a row"  # never hand that over
     searched = time.perf_counter()

@@ -36,6 +36,7 @@ from monet_like.solver.backends.highs import relaxation
 from monet_like.solver.evaluate import evaluate
 from monet_like.solver.formulation import Formulation, lean_choices
 from monet_like.solver.milp import solve_formulation
+from monet_like.solver.neighbourhood import shrink_peak
 
 RESCHEDULE_TIME_LIMIT = 30.0  # seconds for the MILP with the keep columns pinned
 
@@ -242,11 +243,14 @@ def reschedule(f: Formulation, x: np.ndarray, budget_bytes: int, solver: str) ->
 
 
 def start_schedule(
-    f: Formulation, budget_bytes: int, solver: str = "HIGHS"
+    f: Formulation, budget_bytes: int, solver: str = "HIGHS", peak_search_s: float = 0.0
 ) -> tuple[np.ndarray | None, str]:
     """The cheapest start found (greedy, LP rounding, then `keep_back` and `reschedule`
-    through `solver`), and how it was found; (None, reason) when neither heuristic fits
-    the budget."""
+    through `solver`), and how it was found; (None, reason) when none fits the budget.
+
+    Near the smallest feasible budget both heuristics often fail; then, for up to
+    `peak_search_s`, the least-peak search that found that budget (`least_peak_start`
+    and windows re-solved) looks for a schedule within it."""
     found = []
     greedy = greedy_start(f, budget_bytes)
     if greedy is not None:
@@ -254,11 +258,26 @@ def start_schedule(
     rounded = rounded_start(f, budget_bytes)
     if rounded is not None:
         found.append((float(f.cost @ rounded), "LP rounding", rounded))
+    if not found and peak_search_s > 0:
+        least = _within_by_least_peak(f, budget_bytes, solver, peak_search_s)
+        if least is not None:
+            found.append((float(f.cost @ least), "least-peak search", least))
     if not found:
-        return None, "neither the greedy nor LP rounding found a schedule within the budget"
+        return None, "no heuristic found a schedule within the budget"
     _, how, x = min(found, key=lambda item: item[0])
     x = keep_back(f, x, budget_bytes)
     rescheduled = reschedule(f, x, budget_bytes, solver)
     if rescheduled is not x:
         how += " + recomputation re-solved"
     return rescheduled, how
+
+
+def _within_by_least_peak(
+    f: Formulation, budget_bytes: int, solver: str, seconds: float
+) -> np.ndarray | None:
+    """A schedule within `budget_bytes` from the least-peak search, or None."""
+    x = least_peak_start(f)
+    if evaluate(f, x)["peak_bytes"] > budget_bytes:
+        solver = solver if solver in ("HIGHS", "CBC") else "HIGHS"
+        x = shrink_peak(f, x, solver, time.perf_counter() + seconds)
+    return x if evaluate(f, x)["peak_bytes"] <= budget_bytes else None
