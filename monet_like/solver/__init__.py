@@ -10,6 +10,7 @@ feasible budget (found by solving the min-memory problem) and the fixed part.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable
 
@@ -135,9 +136,7 @@ def _min_budget(
     frees: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> int:
-    import cvxpy as cp
-
-    chosen = "HIGHS" if "HIGHS" in cp.installed_solvers() else solver
+    chosen = "HIGHS" if importlib.util.find_spec("highspy") is not None else solver
     chosen = "CBC" if chosen == "PULP" else chosen
     deadline = None if time_limit is None else time.perf_counter() + time_limit
     start = None
