@@ -788,8 +788,8 @@ def test_cbc_stopped_without_a_schedule_returns_the_start(
     real_start = solver_module.start_schedule
     starts = []
 
-    def start_then_bound(f, budget_bytes, solver):
-        x, how = real_start(f, budget_bytes, solver)
+    def start_then_bound(f, budget_bytes, solver, peak_search_s=0.0):
+        x, how = real_start(f, budget_bytes, solver, peak_search_s)
         starts.append(float(f.cost @ x) * MS)
         if bound_fraction is not None:
             bound = bound_fraction * starts[-1]
