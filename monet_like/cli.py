@@ -624,11 +624,11 @@ def cmd_check(args) -> dict:
         VARIANT_TOLERANCE,
         autocast_context,
         compare_steps,
-        float64_error_ratio,
         full_float32,
         measured_peak,
         runs_native_lstm,
         training_step,
+        with_float64_ratio,
     )
     from monet_like.wrapper import ScheduleWrapper
 
@@ -699,19 +699,18 @@ def cmd_check(args) -> dict:
         # The verdict, against the reference running the replay's kernels: bitwise where
         # those are eager's own, within VARIANT_TOLERANCE where variants or a CPU LSTM run.
         bitwise = not sol.variants and not runs_native_lstm(model, device)
-        exact = diff.bitwise if bitwise else diff.within(VARIANT_TOLERANCE)
         rule = "bitwise" if bitwise else f"within {VARIANT_TOLERANCE:g} relative"
-        if not bitwise and not exact:
-            # a gradient that is zero in exact arithmetic is all rounding: ask a float64 step
-            ratio = float64_error_ratio(model, x, sol, eager, eager_step, replayed, replay_step)
-            if ratio is not None:
-                print(
-                    f"  vs the same step in float64: the replay's error is at most {ratio:.2f}"
-                    f" times eager's own, tensor by tensor (rounding: <= {ROUNDING_RATIO:g})"
-                )
-                exact = ratio <= ROUNDING_RATIO
-                rule += f", or rounding against float64 (<= {ROUNDING_RATIO:g} times eager's)"
-                report["float64_error_ratio"] = ratio
+        if not bitwise:
+            diff = with_float64_ratio(diff, model, x, sol, eager, eager_step, replayed, replay_step)
+        ratio = diff.float64_error_ratio
+        if ratio is not None:
+            print(
+                f"  vs the same step in float64: the replay's error is at most {ratio:.2f}"
+                f" times eager's own, tensor by tensor (rounding: <= {ROUNDING_RATIO:g})"
+            )
+            rule += f", or rounding against float64 (<= {ROUNDING_RATIO:g} times eager's)"
+            report["float64_error_ratio"] = ratio
+        exact = diff.bitwise if bitwise else diff.within(VARIANT_TOLERANCE)
         print(f"  check: equal to {label} ({rule}): {'ok' if exact else 'FAILED'}")
         report["exact"] = exact
         if not exact:

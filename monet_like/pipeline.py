@@ -202,9 +202,13 @@ def _refuse_zero_gammas(model: nn.Module, graph, mode: str) -> None:
     """Output-activated BatchNorm recovers its input by dividing by gamma: a mode with it
     cannot even be profiled on a model whose gammas start at zero (timm's and torchvision's
     zero-initialised last BatchNorm of each residual block). Refused in one line."""
-    from monet_like.variants.multiway import GAMMA_MIN, output_activated_weights
+    from monet_like.variants.multiway import GAMMA_MIN, divided_by_gamma
 
-    for name in output_activated_weights(graph):
+    divided = divided_by_gamma(graph.fx)
+    fx_names = [n.name for n in graph.fx.graph.nodes if n.op == "placeholder"]
+    for fx_name, (_kind, name) in zip(fx_names, graph.placeholders, strict=True):
+        if fx_name not in divided:
+            continue
         try:
             weight = model.get_parameter(name)
         except AttributeError:

@@ -26,7 +26,7 @@ from monet_like.graph import capture
 from monet_like.schedule import Executor, build, check_budget
 from monet_like.solution import load
 from monet_like.variants import apply as apply_variants
-from monet_like.variants.multiway import GAMMA_MIN
+from monet_like.variants.multiway import GAMMA_MIN, divided_by_gamma
 
 
 class ScheduleMismatch(UserError):
@@ -201,11 +201,6 @@ class ScheduleWrapper(nn.Module):
 
 def _output_activated_gammas(schedule) -> list[int]:
     """Indices of the parameters that an output-activated BatchNorm backward divides by."""
-    index = {name: i for i, name in enumerate(schedule.placeholders[: schedule.n_params])}
-    found = []
-    for node in schedule.fx.graph.nodes:
-        if str(node.target) == "monet_like.batch_norm_backward_from_output.default":
-            weight = node.args[2]
-            if isinstance(weight, torch.fx.Node) and weight.name in index:
-                found.append(index[weight.name])
-    return sorted(set(found))
+    divided = divided_by_gamma(schedule.fx)
+    params = schedule.placeholders[: schedule.n_params]
+    return [i for i, name in enumerate(params) if name in divided]

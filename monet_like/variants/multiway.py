@@ -38,19 +38,16 @@ aten = torch.ops.aten
 GAMMA_MIN = 1e-8  # the smallest |gamma| batch_norm_backward_from_output accepts
 
 
-def output_activated_weights(graph: Graph) -> list[str]:
-    """The parameters (by name) that an output-activated BatchNorm backward of `graph`
-    divides by: such a site cannot run while one of them has an element near zero."""
-    nodes = {n.name: n for n in graph.fx.graph.nodes}
-    placeholders = [n.name for n in graph.fx.graph.nodes if n.op == "placeholder"]
-    names = {fx: name for fx, (_kind, name) in zip(placeholders, graph.placeholders, strict=True)}
-    found = []
-    for site in graph.sites:
-        if site["variant"] == "batch_norm_from_output":
-            weight = nodes[site["backward"]].args[2]
-            if isinstance(weight, torch.fx.Node) and source(weight).name in names:
-                found.append(names[source(weight).name])
-    return sorted(set(found))
+def divided_by_gamma(gm: torch.fx.GraphModule) -> set[str]:
+    """The placeholders (fx names) that an output-activated BatchNorm backward of `gm`
+    divides by: such a backward cannot run while one has an element near zero."""
+    return {
+        source(node.args[2]).name
+        for node in gm.graph.nodes
+        # by name: a graph without variants may run where the ops were never loaded
+        if str(node.target) == "monet_like.batch_norm_backward_from_output.default"
+        and isinstance(node.args[2], torch.fx.Node)
+    }
 
 
 def _batch_norm_from_output(graph: Graph, gm: torch.fx.GraphModule, sites: list[dict]) -> int:
