@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one call (a lent GPU machine has minutes, not hours):
 #   1. the CUDA kernels built and compared with their references on the GPU;
+#   1b. whether an error thrown in nvcc-compiled code reaches Python, per host compiler;
 #   2. one replay on CUDA: measured peak (the CUDA caching allocator) against the
 #      predicted peak and the budget, and gradients against eager PyTorch;
 #      then the allocator's bytes per step (first and second, replay and eager) and the
@@ -11,10 +12,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+# scripts/*.py import the package from the checkout when it is not installed (a bare GPU image)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 echo "== nvidia-smi"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || status=1
 echo "== 1. CUDA kernels"
 timeout 300 "$PY" -m pytest -q -n0 tests/test_cuda_build.py -p no:cacheprovider || status=1
+echo "== 1b. a C++ exception from nvcc-compiled code, by host compiler"
+timeout 400 "$PY" scripts/gpu_throw_probe.py || status=1
 echo "== 2. replay on CUDA: ResNet-18, batch 32, 64 px, full mode at 0.123 GB"
 out=$(mktemp -d)
 timeout 300 "$PY" solve.py "torchvision.models.resnet18()" 32 0.123 inplace_conv_multiway_newnode HIGHS \

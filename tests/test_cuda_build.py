@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from monet_like.kernels import OPS  # importing it builds nothing
+# importing it builds nothing; the flags are the loader's, so the test builds what users run
+from monet_like.kernels import _CFLAGS, _CUDA_CFLAGS, _LDFLAGS, OPS
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "csrc" / "ops.cpp", ROOT / "csrc" / "ops_cuda.cu"]
@@ -107,8 +108,9 @@ cpp_extension.load(
     name="monet_like_ops_cuda_test",
     sources=args["sources"],
     build_directory=args["build_dir"],
-    extra_cflags=args["flags"],
-    extra_cuda_cflags=args["flags"],
+    extra_cflags=args["cflags"] + args["flags"],
+    extra_cuda_cflags=args["cuda_cflags"] + args["flags"],
+    extra_ldflags=args["ldflags"],
     is_python_module=False,
     with_cuda=True,
     verbose=True,
@@ -317,7 +319,9 @@ def test_cuda_sources_build_and_register() -> None:
     for src in SOURCES:
         key.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     arch = env.get("TORCH_CUDA_ARCH_LIST", "native")
-    key.update(f"{torch.__version__}|{cuda_home}|{includes}|{arch}".encode())
+    key.update(
+        f"{torch.__version__}|{cuda_home}|{includes}|{arch}|{_CFLAGS}|{_CUDA_CFLAGS}".encode()
+    )
     build_dir = _cache_root() / "ext-cuda" / key.hexdigest()[:16]
     build_dir.mkdir(parents=True, exist_ok=True)
 
@@ -326,6 +330,9 @@ def test_cuda_sources_build_and_register() -> None:
         "sources": [str(s) for s in SOURCES],
         "build_dir": str(build_dir),
         "flags": [flag for d in includes for flag in ("-isystem", d)],
+        "cflags": _CFLAGS,
+        "cuda_cflags": _CUDA_CFLAGS,
+        "ldflags": _LDFLAGS,
         "ops": list(ops),
     }
     start = time.monotonic()
