@@ -197,6 +197,42 @@ def test_convolution_algorithms_workspace_at_the_solved_batch(
     assert "data" not in first and "data" in second  # the input needs no gradient
 
 
+class PatchEmbedding(nn.Module):
+    """A ViT's stem: patches by a strided convolution, the token sequence behind a class
+    token; the gradient reaching the convolution is a transposed slice of the sequence's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, 8, 4, stride=4)
+        self.cls = nn.Parameter(torch.zeros(1, 1, 8))
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        tokens = self.proj(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls.expand(len(tokens), -1, -1), tokens], 1)
+        return self.head(tokens.tanh()).mean(1)
+
+
+def test_convolution_algorithms_measured_on_the_graphs_layouts():
+    """conv mode: the gradient a patch embedding receives is a strided view (gaps between
+    samples, channels innermost), which the im2col backward copies whole before it runs;
+    measured on a contiguous gradient, that copy was missing from the prediction (48 KiB
+    on a tiny timm ViT). The weight part's workspace is the columns plus the copy."""
+    from monet_like.variants import apply
+
+    model, batch = PatchEmbedding(), 8
+    graph = apply(capture(model, (3, 16, 16), batch), "conv")
+    (backward,) = [n for n in graph.fx.graph.nodes if "conv2d_backward_algo" in str(n.target)]
+    grad = backward.args[0].meta["val"]
+    assert not grad.is_contiguous() and grad.stride()[0] == 17 * 8  # a slice of the sequence
+    p = profile(model, graph, repeats=1, use_cache=False, progress=False)
+    (options,) = p.algorithms.values()
+    columns = 3 * 4 * 4 * 4 * 4 * batch * 4  # C*kh*kw x Ho*Wo floats per sample
+    gradient_copy = 8 * 4 * 4 * batch * 4
+    assert dict((a, ws) for a, _, ws in options["forward"])[0] == columns
+    assert dict((a, ws) for a, _, ws in options["weight"])[0] == columns + gradient_copy
+
+
 def test_batch_chunk_options_workspace_fitted_from_batches_smaller_than_the_chunks(monkeypatch):
     """conv mode: 8 batch chunks (-8) fitted from batches 2 and 4 ran one sample per
     chunk there; at the solved batch a chunk holds 4. Their fitted workspace follows

@@ -107,12 +107,7 @@ def _site_calls(site: dict, nodes: dict, rows: int, device: torch.device, gen) -
     def real(node, batch_dim: bool) -> torch.Tensor | None:
         if node is None:
             return None
-        v = node.meta["val"]
-        shape = [rows, *v.shape[1:]] if batch_dim else list(v.shape)
-        # laid out as in the graph (a channels-last input takes other algorithms)
-        order = sorted(range(v.dim()), key=lambda d: -v.stride(d))
-        dense = torch.randn([shape[d] for d in order], generator=gen, dtype=v.dtype)
-        return dense.permute([order.index(d) for d in range(v.dim())]).to(device)
+        return _random_laid_out(node.meta["val"], rows if batch_dim else None, gen, device)
 
     fwd = nodes[site["forward"][0]]
     x_node, w_node, b_node, stride, padding, dilation, groups, _ = fwd.args
@@ -128,7 +123,7 @@ def _site_calls(site: dict, nodes: dict, rows: int, device: torch.device, gen) -
     forward = partial(ops.conv2d_algo, x, w, b, *geometry)
     calls = {"forward": [(a, partial(forward, a)) for a in choices["forward"]]}
     if site["backward"]:
-        grad = _like_in_graph(torch.randn_like(forward(-1)), nodes[site["backward"]].args[0])
+        grad = real(nodes[site["backward"]].args[0], True)
         mask = nodes[site["backward"]].args[7]
         backward = partial(ops.conv2d_backward_algo, grad, x, w, *geometry)
         for k, direction in enumerate(("data", "weight")):
@@ -143,20 +138,32 @@ def _site_calls(site: dict, nodes: dict, rows: int, device: torch.device, gen) -
     return calls
 
 
-def _like_in_graph(value: torch.Tensor, node: torch.fx.Node) -> torch.Tensor:
-    """`value` laid out as the graph's `node` is: broadcast along the dimensions `node`
-    is expanded in (stride 0), such as the gradient of a sum reaching a network's last
-    convolution, which the im2col backward then copies whole in each of its parts (an
-    uncounted 8 KiB above the prediction in a one-thread test, where a contiguous
-    gradient had been measured)."""
-    meta = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    if not isinstance(meta, torch.Tensor) or meta.dim() != value.dim():
-        return value
-    expanded = [d for d in range(meta.dim()) if meta.stride(d) == 0 and meta.shape[d] > 1]
-    if not expanded:
-        return value
-    index = tuple(slice(0, 1) if d in expanded else slice(None) for d in range(value.dim()))
-    return value[index].contiguous().expand(value.shape)
+def _random_laid_out(
+    meta: torch.Tensor, rows: int | None, gen: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """Random values of `meta`'s shape (its first dimension `rows` long, if given) laid out
+    in memory as the graph's value is: a kernel copies an input that is not contiguous, and
+    that copy is part of the workspace measured. The strides are the graph's: its dimension
+    order (a channels-last input takes other algorithms), the gaps of a slice of a larger
+    tensor (ViT's patch-embedding gradient, a view of the token sequence, which the im2col
+    backward copies: 48 KiB above the prediction where a dense one had been measured),
+    and stride 0 where the value is broadcast (the gradient of a sum reaching a network's
+    last convolution, copied whole in each part of the im2col backward)."""
+    shape = list(meta.shape) if rows is None else [rows, *meta.shape[1:]]
+    stride = list(meta.stride())
+    if rows is not None and rows > meta.shape[0] and meta.dim() > 1:
+        # more rows than the graph's strides were laid out for: the same dimension order,
+        # without gaps (overlapping memory otherwise)
+        order = sorted(range(meta.dim()), key=lambda d: stride[d])
+        step = 1
+        for d in order:
+            stride[d] = 0 if meta.stride(d) == 0 else step
+            step *= shape[d] if meta.stride(d) else 1
+    expanded = [d for d in range(meta.dim()) if stride[d] == 0 and shape[d] > 1]
+    stored = [1 if d in expanded else n for d, n in enumerate(shape)]
+    value = torch.empty_strided(stored, stride, dtype=meta.dtype, device=device)
+    value.copy_(torch.randn(stored, generator=gen, dtype=meta.dtype))
+    return value.expand(shape) if expanded else value
 
 
 def _fit_chunked(

@@ -11,7 +11,8 @@ import torch
 from monet_like.graph import Graph
 from monet_like.profile.algorithms import algorithm_workspace
 
-PROFILE_FORMAT = 14  # 4: algorithms; 5: "both"; 6: algorithms timed interleaved near the batch;
+# 15: convolution algorithms measured on inputs laid out as in the graph (gaps included)
+PROFILE_FORMAT = 15
 
 
 @dataclass(frozen=True)
