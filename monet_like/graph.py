@@ -131,6 +131,9 @@ class Graph:
     # its casts are ops of the graph. None: no autocast.
     autocast: str | None = None
     variants: tuple[str, ...] = ()  # operator variants rewritten into it (monet_like.variants)
+    # BatchNorm nodes (fx names) output-activated BatchNorm is not rewritten into: their
+    # gamma was zero when solved, which its backward would divide by.
+    plain_batch_norms: tuple[str, ...] = ()
     # The traced torch.fx.GraphModule, for the profiler and the replay to run, and the
     # pytree spec of the model's outputs: not part of the value.
     fx: Any = field(default=None, repr=False, compare=False)

@@ -29,7 +29,7 @@ def describe_sites(graph) -> str:
     choice), max_pool2d_compact x1'."""
     from collections import Counter
 
-    counts = Counter((s["variant"], s["choosable"]) for s in graph.sites)
+    counts = Counter((s["variant"], s["choosable"]) for s in graph.sites if not s.get("left_out"))
     return "variants: " + ", ".join(
         f"{name} x{n}" + (" (the solver's choice)" if free else "")
         for (name, free), n in sorted(counts.items())
@@ -132,8 +132,7 @@ def compile_schedule(
         outputs_held=outputs_held,
         autocast=autocast,
     )
-    graph = apply_variants(captured, mode)
-    _refuse_zero_gammas(model, graph, mode)
+    graph = apply_variants(captured, mode, _zero_gamma_batch_norms(model, captured, mode, progress))
     if progress is not None:
         progress(graph.summary())
         if graph.sites:
@@ -198,27 +197,41 @@ def compile_schedule(
     return Compiled(sol, graph, prof, low)
 
 
-def _refuse_zero_gammas(model: nn.Module, graph, mode: str) -> None:
-    """Output-activated BatchNorm recovers its input by dividing by gamma: a mode with it
-    cannot even be profiled on a model whose gammas start at zero (timm's and torchvision's
-    zero-initialised last BatchNorm of each residual block). Refused in one line."""
-    from monet_like.variants.multiway import GAMMA_MIN, divided_by_gamma
+def _zero_gamma_batch_norms(model: nn.Module, captured, mode: str, progress) -> tuple[str, ...]:
+    """The BatchNorms output-activated BatchNorm must not be rewritten into: it recovers
+    its input by dividing by gamma, and these have a gamma element at zero (timm's and
+    torchvision's zero-initialised last BatchNorm of each residual block). They keep their
+    input for the backward pass, as PyTorch does; said in one line."""
+    from monet_like.solver import parse_mode
+    from monet_like.variants.multiway import GAMMA_MIN
+    from monet_like.variants.sites import source
 
-    divided = divided_by_gamma(graph.fx)
-    fx_names = [n.name for n in graph.fx.graph.nodes if n.op == "placeholder"]
-    for fx_name, (_kind, name) in zip(fx_names, graph.placeholders, strict=True):
-        if fx_name not in divided:
+    if "multiway" not in parse_mode(mode):
+        return ()
+    fx_names = [n.name for n in captured.fx.graph.nodes if n.op == "placeholder"]
+    names = {fx: name for fx, (_kind, name) in zip(fx_names, captured.placeholders, strict=True)}
+    found, weights = [], []
+    for node in captured.fx.graph.nodes:
+        if node.target != torch.ops.aten.native_batch_norm.default:
             continue
+        if not isinstance(node.args[1], torch.fx.Node):
+            continue  # no affine weight
+        gamma = source(node.args[1])
         try:
-            weight = model.get_parameter(name)
-        except AttributeError:
-            continue
+            weight = model.get_parameter(names[gamma.name])
+        except (AttributeError, KeyError):
+            continue  # not a parameter
         if weight.device.type != "meta" and float(weight.detach().abs().min()) < GAMMA_MIN:
-            raise UserError(
-                f"BatchNorm weight {name} is zero (a zero-initialised residual branch?): mode"
-                f" {mode!r}'s output-activated BatchNorm divides by it; use a mode without"
-                " 'multiway' (e.g. inplace_conv_newnode), or solve once training has moved it"
-            )
+            found.append(node.name)
+            weights.append(names[gamma.name])
+    if found and progress is not None:
+        more = f" and {len(weights) - 3} more" if len(weights) > 3 else ""
+        progress(
+            f"  {len(found)} BatchNorms keep their input for the backward pass, their gamma"
+            f" being zero ({', '.join(weights[:3])}{more}): output-activated BatchNorm"
+            " divides by it"
+        )
+    return tuple(found)
 
 
 def _solving_line(budget_bytes, mode, solver, formulation, frees, time_limit) -> str:

@@ -63,6 +63,9 @@ class Solution:
     # turned off (their replaced aten op runs instead).
     variants: list[str] | None = None
     variants_off: list[str] = field(default_factory=list)
+    # BatchNorms (fx names) output-activated BatchNorm is not rewritten into: their gamma
+    # was zero when solved (see Graph.plain_batch_norms)
+    plain_batch_norms: list[str] = field(default_factory=list)
     # conv mode: convolution site -> [forward, backward-data, backward-weight] algorithms,
     # for those not left to PyTorch (-1)
     algorithms: dict[str, list[int]] = field(default_factory=dict)
@@ -80,7 +83,7 @@ class Solution:
 
     def summary(self) -> dict:
         d = asdict(self)
-        for key in ("keep", "units", "stages", "variants_off", "algorithms"):
+        for key in ("keep", "units", "stages", "variants_off", "plain_batch_norms", "algorithms"):
             d.pop(key)
         return d
 
@@ -149,6 +152,10 @@ _CHECKS = {
     ),
     "variants_off": (
         "a list of site names",
+        lambda v: isinstance(v, list) and all(isinstance(f, str) for f in v),
+    ),
+    "plain_batch_norms": (
+        "a list of node names",
         lambda v: isinstance(v, list) and all(isinstance(f, str) for f in v),
     ),
     "algorithms": (

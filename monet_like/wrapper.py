@@ -79,7 +79,7 @@ def solution_graph(model: nn.Module, sol, device: str | torch.device):
         outputs_held=sol.outputs_held,
         autocast=None if sol.autocast is None else getattr(torch, sol.autocast),
     )
-    return apply_variants(graph, tuple(sol.variants or ()))
+    return apply_variants(graph, tuple(sol.variants or ()), tuple(sol.plain_batch_norms))
 
 
 class ScheduleWrapper(nn.Module):

@@ -284,7 +284,7 @@ def _graph_at(model: nn.Module, graph: Graph, batch: int, device: torch.device) 
         graph.outputs_held,
         None if graph.autocast is None else getattr(torch, graph.autocast),
     )
-    other = apply_variants(other, graph.variants)
+    other = apply_variants(other, graph.variants, graph.plain_batch_norms)
     if [o.target for o in other.ops] != [o.target for o in graph.ops]:
         raise UserError(
             f"the graph at batch {batch} differs from the one at batch {graph.batch} "

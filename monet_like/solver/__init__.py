@@ -589,6 +589,7 @@ def _solution_base(graph, profile, problem, mode, budget_bytes, solver, ablation
         outputs_held=graph.outputs_held,
         autocast=graph.autocast,
         variants=list(graph.variants),
+        plain_batch_norms=list(graph.plain_batch_norms),
     )
 
 

@@ -12,7 +12,8 @@ that enables it, the aten pattern it replaces, what its backward reads (its
 
 A mode's variants are applied wherever they are valid (each site is checked on
 the graph: an input that is read later is never overwritten, an output that is
-overwritten is never read back), and each site is recorded in `graph.sites`. The
+overwritten is never read back; output-activated BatchNorm is not rewritten into the
+BatchNorms named by `plain_batch_norms`), and each site is recorded in `graph.sites`. The
 solver then chooses checkpoints on the rewritten graph and, per `choosable` site,
 whether the variant or the aten op it replaced runs (`select` turns sites back);
 see docs/variants.md. An op the registry knows nothing about is left as PyTorch
@@ -64,7 +65,12 @@ def parse_mode(mode: str) -> tuple[str, ...]:
     return tuple(f for f in PASS_ORDER if f in flags)
 
 
-def refresh(graph: Graph, gm: torch.fx.GraphModule, variants: tuple[str, ...]) -> Graph:
+def refresh(
+    graph: Graph,
+    gm: torch.fx.GraphModule,
+    variants: tuple[str, ...],
+    plain_batch_norms: tuple[str, ...] = (),
+) -> Graph:
     """The Graph of a rewritten GraphModule: fake values propagated again through every
     node (aliasing included), then storages, ops and nodes derived as at capture."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -92,10 +98,13 @@ def refresh(graph: Graph, gm: torch.fx.GraphModule, variants: tuple[str, ...]) -
         input_grad=graph.input_grad,
         outputs_held=graph.outputs_held,
         autocast=graph.autocast,
+        plain_batch_norms=plain_batch_norms,
     )
 
 
-def apply(graph: Graph, flags: tuple[str, ...] | str) -> Graph:
+def apply(
+    graph: Graph, flags: tuple[str, ...] | str, plain_batch_norms: tuple[str, ...] = ()
+) -> Graph:
     """`graph` with the variants of `flags` (or a mode string) rewritten in, as a new
     Graph; `graph.variants` lists the flags applied. Flags already applied are skipped."""
     import dataclasses
@@ -109,12 +118,13 @@ def apply(graph: Graph, flags: tuple[str, ...] | str) -> Graph:
 
     kernels.load()
     _register_all()
+    graph = dataclasses.replace(graph, plain_batch_norms=tuple(plain_batch_norms))
     sites = copy.deepcopy(graph.sites)
     for flag in todo:
         for variant in (v for v in REGISTRY.values() if v.flag == flag):
             gm = copy_module(graph.fx)
             if variant.rewrite(graph, gm, sites):  # later variants see this one's result
-                graph = refresh(graph, gm, graph.variants)
+                graph = refresh(graph, gm, graph.variants, graph.plain_batch_norms)
         graph = dataclasses.replace(graph, variants=(*graph.variants, flag))
     # A site's replaced op reads values by name; a later rewrite may have replaced the
     # node that produced one (a ReLU's incoming gradient came from the max-pool backward

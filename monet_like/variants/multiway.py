@@ -57,7 +57,7 @@ def _batch_norm_from_output(graph: Graph, gm: torch.fx.GraphModule, sites: list[
     for fwd in calls(gm, aten.native_batch_norm.default):
         x, weight, bias, _mean, _var, training = fwd.args[:6]
         items = getitems(fwd)
-        if not training or 0 not in items or 2 not in items:
+        if not training or 0 not in items or 2 not in items or fwd.name in graph.plain_batch_norms:
             continue
         y, invstd = items[0], items[2]
         if uses.written_later(y, fwd):
