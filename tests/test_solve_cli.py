@@ -86,7 +86,7 @@ def test_infeasible_budget_exits_2_with_smallest_feasible_budget():
     assert "smallest feasible budget" in r.stderr and "Traceback" not in r.stderr
     assert "--formulation full" in r.stderr  # the compact formulation's smallest, said so
     # The search for it (up to minutes) shows that it runs and what it has found.
-    assert "searching for the smallest one" in r.stdout
+    assert "searching for its smallest budget" in r.stdout
     assert "smallest budget so far" in r.stdout
     report = last_json(r)
     assert report["status"] == "infeasible"
