@@ -36,10 +36,13 @@ def assert_exact_and_within(rows) -> None:
         where = f"{row.solution.model} {row.solution.mode} at fraction {row.fraction}"
         assert row.exact(), (where, row.comparison)
         assert row.fits(), (where, row.measured_peak_bytes, row.solution.predicted_peak_bytes)
-    # Something is recomputed, unless no schedule peaks below store-all (ViT in the normal
-    # mode: its peak is the patch embedding's backward, where nothing recomputable is alive).
-    recomputes = any(sum(len(s["recompute"]) for s in row.solution.stages) for row in rows)
-    assert recomputes or rows[-1].min_budget_bytes == rows[-1].solution.store_all_peak_bytes
+    # A schedule peaks below store-all (by recomputation, or by leaner kernels alone: ResNet-D
+    # in the full mode), unless none can (ViT in the normal mode: its peak is the patch
+    # embedding's backward, where nothing recomputable is alive).
+    below = any(
+        row.solution.predicted_peak_bytes < row.solution.store_all_peak_bytes for row in rows
+    )
+    assert below or rows[-1].min_budget_bytes == rows[-1].solution.store_all_peak_bytes
 
 
 # In-place SiLU whose input autograd clones (read before the write: the recomputation
