@@ -29,7 +29,7 @@ def describe_sites(graph) -> str:
     choice), max_pool2d_compact x1'."""
     from collections import Counter
 
-    counts = Counter((s["variant"], s["choosable"]) for s in graph.sites if not s.get("left_out"))
+    counts = Counter((s["variant"], s["choosable"]) for s in graph.sites)
     return "variants: " + ", ".join(
         f"{name} x{n}" + (" (the solver's choice)" if free else "")
         for (name, free), n in sorted(counts.items())
