@@ -202,10 +202,6 @@ def test_the_compact_search_gets_the_whole_limit_before_the_full_one(monkeypatch
     assert min_feasible_budget(FREED, None, False, "HIGHS", time_limit=0.5) == compact
     assert calls == [(DEFAULT_DEPTH, 0.5)]
 
-    # a search stopped early may have found only worse than keeping everything
-    monkeypatch.setattr(solver_module, "_min_budget", lambda *a, **k: 10**12)
-    assert min_feasible_budget(FREED, None, False, "HIGHS") == FREED.store_all_peak_bytes
-
 
 def test_the_time_limit_is_shared_by_the_graphs_a_mode_solves(monkeypatch):
     """With a baseline, up to three graphs are solved: `time_limit` bounds them all, the

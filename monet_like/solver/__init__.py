@@ -98,14 +98,7 @@ def min_feasible_budget(
     needs 196 s, and given half of 300 s it stopped at 107.92 MiB against 107.62 MiB
     with time to finish, which the full search did not beat. `frees`: the compact
     formulation with the full one's frees (`formulate`). `progress` receives a line per
-    smaller budget found. Never above the store-all peak, which keeping everything
-    reaches (a search stopped early may have found only worse: a T5 under load, 5.76 MB
-    against a 5.47 MB store-all peak)."""
-    found = _searched_min_budget(problem, depth, ablation, solver, time_limit, frees, progress)
-    return min(found, problem.store_all_peak_bytes)
-
-
-def _searched_min_budget(problem, depth, ablation, solver, time_limit, frees, progress) -> int:
+    smaller budget found."""
     if depth is None and not ablation:
         started = time.perf_counter()
         compact = _min_budget(problem, DEFAULT_DEPTH, ablation, solver, time_limit, frees, progress)
