@@ -202,7 +202,7 @@ def _zero_gamma_batch_norms(model: nn.Module, captured, mode: str, progress) -> 
     its input by dividing by gamma, and these have a gamma element at zero (timm's and
     torchvision's zero-initialised last BatchNorm of each residual block). They keep their
     input for the backward pass, as PyTorch does; said in one line."""
-    from monet_like.solver import parse_mode
+    from monet_like.variants import parse_mode
     from monet_like.variants.multiway import GAMMA_MIN
     from monet_like.variants.sites import source
 

@@ -65,12 +65,7 @@ def parse_mode(mode: str) -> tuple[str, ...]:
     return tuple(f for f in PASS_ORDER if f in flags)
 
 
-def refresh(
-    graph: Graph,
-    gm: torch.fx.GraphModule,
-    variants: tuple[str, ...],
-    plain_batch_norms: tuple[str, ...] = (),
-) -> Graph:
+def refresh(graph: Graph, gm: torch.fx.GraphModule, variants: tuple[str, ...]) -> Graph:
     """The Graph of a rewritten GraphModule: fake values propagated again through every
     node (aliasing included), then storages, ops and nodes derived as at capture."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -98,7 +93,7 @@ def refresh(
         input_grad=graph.input_grad,
         outputs_held=graph.outputs_held,
         autocast=graph.autocast,
-        plain_batch_norms=plain_batch_norms,
+        plain_batch_norms=graph.plain_batch_norms,
     )
 
 
@@ -124,7 +119,7 @@ def apply(
         for variant in (v for v in REGISTRY.values() if v.flag == flag):
             gm = copy_module(graph.fx)
             if variant.rewrite(graph, gm, sites):  # later variants see this one's result
-                graph = refresh(graph, gm, graph.variants, graph.plain_batch_norms)
+                graph = refresh(graph, gm, graph.variants)
         graph = dataclasses.replace(graph, variants=(*graph.variants, flag))
     # A site's replaced op reads values by name; a later rewrite may have replaced the
     # node that produced one (a ReLU's incoming gradient came from the max-pool backward
