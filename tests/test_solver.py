@@ -812,6 +812,20 @@ def test_cbc_stopped_without_a_schedule_returns_the_start(
     assert any("kept as fallback" in line for line in lines)
 
 
+def test_highs_stopped_by_its_time_limit_without_a_schedule_says_so(resnet18_problem, monkeypatch):
+    """A search that its time limit stops before any schedule, with no start to fall back
+    on, is named a time limit (give it more time), not a solver failure."""
+    graph, prof, problem, low = resnet18_problem
+    budget = between(low, problem, 0.3)
+    monkeypatch.setattr(solver_module, "start_schedule", lambda *a, **k: (None, "none found"))
+    monkeypatch.setattr(
+        solver_module, "solve_formulation",
+        lambda *a, **k: RawResult("stopped", None, None, None, None, 0.0, "HIGHS"),
+    )  # fmt: skip
+    with pytest.raises(UserError, match=r"stopped at the time limit .*--time_limit\)$"):
+        solve(graph, prof, budget, solver="HIGHS", time_limit=1)
+
+
 @pytest.mark.parametrize("cbc_stops", [False, True])
 def test_cbc_on_a_large_problem_races_a_search_and_then_windows_beside_it(
     resnet18_problem, monkeypatch, cbc_stops

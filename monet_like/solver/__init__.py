@@ -523,11 +523,11 @@ def _solve(
     if raw.status == "error" and not fits:
         raise UserError(f"solver {solver} failed: {raw.message}")
     if not fits:
+        best = "" if peak is None else f" (its best one needs {peak['peak_bytes'] / GIB:.3f} GB)"
         raise UserError(
             f"{solver} stopped at the time limit without a schedule that fits "
-            f"{budget_bytes / GIB:.3f} GB (its best one needs "
-            f"{peak['peak_bytes'] / GIB:.3f} GB): give it more time (--time_limit)"
-            " or use HIGHS"
+            f"{budget_bytes / GIB:.3f} GB{best}: give it more time (--time_limit)"
+            + ("" if solver == "HIGHS" else " or use HIGHS")
         )
     if start is not None:  # a schedule within the budget existed once the start did
         first_feasible_s = searched - started

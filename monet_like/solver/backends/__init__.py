@@ -15,7 +15,8 @@ _NUMBER = r"([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"  # a number in a solver's log
 
 @dataclass
 class RawResult:
-    # "optimal", "feasible" (stopped with a schedule), "infeasible", "error", or "cutoff"
+    # "optimal", "feasible" (stopped with a schedule), "stopped" (by the time limit, with
+    # no schedule), "infeasible", "error", or "cutoff"
     # (CBC given a cutoff: proved that no schedule is cheaper; no schedule, bound = cutoff)
     status: str
     x_bool: np.ndarray | None

@@ -93,7 +93,7 @@ def is_feasible(f: Formulation, x_bool: np.ndarray, budget_bytes: int) -> bool:
 class _HighsOutcome:
     """One HiGHS search, as plain values (a racer sends it through a pipe)."""
 
-    status: str  # "optimal", "feasible", "infeasible", "error"
+    status: str  # "optimal", "feasible", "infeasible", "stopped" (limit, no schedule), "error"
     x: np.ndarray | None
     objective: float  # HiGHS's objective and dual bound, in the model's own units
     bound: float
@@ -165,7 +165,12 @@ def _highs_search(
     if model_status == highspy.HighsModelStatus.kInfeasible:
         return _HighsOutcome("infeasible", None, np.inf, np.inf, message, first[0], seed)
     if info.primal_solution_status != 2:  # no feasible point
-        return _HighsOutcome("error", None, np.inf, info.mip_dual_bound, message, first[0], seed)
+        limited = model_status in (
+            highspy.HighsModelStatus.kTimeLimit,
+            highspy.HighsModelStatus.kInterrupt,
+        )
+        status = "stopped" if limited else "error"
+        return _HighsOutcome(status, None, np.inf, info.mip_dual_bound, message, first[0], seed)
     x_val = np.round(np.asarray(h.getSolution().col_value[:n_b])).astype(int)
     status = "optimal" if model_status == highspy.HighsModelStatus.kOptimal else "feasible"
     return _HighsOutcome(
@@ -192,7 +197,9 @@ def _solve_highs(
         return RawResult("infeasible", None, None, None, None, 0.0, "HIGHS")
     found = [o for o in outcomes if o.x is not None]
     if not found:
-        return RawResult("error", None, None, None, None, 0.0, "HIGHS", outcomes[0].message)
+        stopped = all(o.status == "stopped" for o in outcomes)
+        status, message = ("stopped", "") if stopped else ("error", outcomes[0].message)
+        return RawResult(status, None, None, None, None, 0.0, "HIGHS", message)
     best = min(found, key=lambda o: o.objective)
     bounds = [o.bound for o in outcomes if np.isfinite(o.bound)]
     bound = max(bounds) if bounds else None  # each search's bound holds: the best counts
