@@ -12,7 +12,7 @@ ScheduleWrapper. Each stage is one module and hands a plain value to the next.
 from monet_like._version import __version__
 from monet_like.errors import UserError
 
-__all__ = ["ScheduleWrapper", "UserError", "__version__", "compile"]
+__all__ = ["ScheduleWrapper", "UserError", "__version__", "compile", "largest_batch"]
 
 
 def __getattr__(name: str):
@@ -25,4 +25,8 @@ def __getattr__(name: str):
         from monet_like.pipeline import compile_schedule
 
         return compile_schedule
+    if name == "largest_batch":  # solve.py MODEL auto ...
+        from monet_like.batch_search import largest_batch
+
+        return largest_batch
     raise AttributeError(f"module 'monet_like' has no attribute {name!r}")

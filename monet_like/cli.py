@@ -64,6 +64,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def batch_or_auto(text: str) -> int | str:
+    """A batch size, or "auto" (solve.py: the largest batch whose schedule fits)."""
+    return "auto" if text.strip().lower() == "auto" else positive_int(text)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help='"torchvision.models.NAME(...)", unet, gpt, or pkg.module:factory')
     p.add_argument("batch", type=positive_int, help="batch size")
@@ -278,7 +283,9 @@ def build_solve_parser() -> argparse.ArgumentParser:
         description="solve for a schedule that fits one training step in BUDGET_GB",
     )
     p.add_argument("model", help='"torchvision.models.NAME(...)", unet, gpt, or pkg.module:factory')
-    p.add_argument("batch", type=positive_int, help="batch size")
+    p.add_argument(
+        "batch", type=batch_or_auto, help="batch size, or auto: the largest whose schedule fits"
+    )
     p.add_argument("budget_gb", type=float, help="memory budget in GB (1 GB = 2**30 bytes)")
     p.add_argument("mode", help="normal, or MONeT flags joined by _ (e.g. inplace_normal)")
     p.add_argument("solver", help="CBC, HIGHS, GUROBI or PULP")
@@ -288,6 +295,13 @@ def build_solve_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TIME_LIMIT,
         help=f"wall-clock seconds for the whole solve (default {DEFAULT_TIME_LIMIT:g}); past"
         " it, the best schedule found is kept, with its gap",
+    )
+    p.add_argument(
+        "--max_overhead",
+        type=float,
+        default=None,
+        help="with batch auto: the largest predicted step-time overhead over store-all"
+        " accepted, in percent (e.g. 10)",
     )
     p.add_argument("--ablation", action="store_true", help="forbid recomputation")
     p.add_argument("--input_grad", action="store_true", help="also compute the input's gradient")
@@ -396,8 +410,18 @@ def _check_solve_args(args):
         raise UserError(f"unknown solver {args.solver!r}: choose one of {', '.join(SOLVERS)}")
     if args.autocast is not None and args.autocast not in ("bfloat16", "float16"):
         raise UserError(f"--autocast takes bfloat16 or float16, not {args.autocast!r}")
+    if args.max_overhead is not None:
+        if args.batch != "auto":
+            raise UserError("--max_overhead goes with batch auto")
+        if not (math.isfinite(args.max_overhead) and args.max_overhead >= 0):
+            raise UserError(f"--max_overhead must be a percentage >= 0, got {args.max_overhead}")
     spec, shape, dtype, device = _setup(args)
     args.shape, args.torch_dtype = shape, dtype
+    if args.batch == "auto":  # the file is named once the batch is known
+        why = writable_folder(args.output or os.path.join(args.output_dir, "solution.json"))
+        if why:
+            raise UserError(why)
+        return spec, shape, dtype, device, None
     out = args.output or os.path.join(
         args.output_dir,
         default_solution_name(spec, args.batch, args.mode, args.budget_gb, **_naming(args)),
@@ -491,6 +515,8 @@ def cmd_solve(args) -> dict:
     from monet_like.pipeline import compile_schedule
 
     spec, shape, dtype, device, out = _check_solve_args(args)
+    if args.batch == "auto":
+        return _solve_auto(args, spec, shape, dtype, device)
     if not args.no_zoo:
         report = _from_zoo(args, spec, shape, dtype, device, out)
         if report is not None:
@@ -498,13 +524,16 @@ def cmd_solve(args) -> dict:
     model = spec.build("cpu").to(device)
     budget = int(args.budget_gb * GIB)
     compiled = compile_schedule(
-        model,
-        shape,
-        args.batch,
-        budget,
-        args.mode,
-        args.solver,
-        dtype=dtype,
+        model, shape, args.batch, budget, args.mode, args.solver, output=out,
+        progress=lambda line: print(line, flush=True), **_compile_options(args, spec, device),
+    )  # fmt: skip
+    return _report_solution(args, compiled.solution, out)
+
+
+def _compile_options(args, spec, device) -> dict:
+    """solve.py's options as `compile_schedule` takes them."""
+    return dict(
+        dtype=args.torch_dtype,
         device=device,
         model_name=spec.expression,
         time_limit=args.time_limit,
@@ -516,11 +545,45 @@ def cmd_solve(args) -> dict:
         outputs_held=not args.outputs_freed,
         autocast=None if args.autocast is None else getattr(torch, args.autocast),
         profile_batch=args.profile_batch,
-        output=out,
-        progress=lambda line: print(line, flush=True),
         verbose=args.verbose,
     )
-    sol = compiled.solution
+
+
+def _solve_auto(args, spec, shape, dtype, device) -> dict:
+    """solve.py MODEL auto ...: the largest batch whose schedule fits, solved and saved."""
+    from monet_like.batch_search import largest_batch
+
+    model = spec.build("cpu").to(device)
+    budget = int(args.budget_gb * GIB)
+    limit = None if args.max_overhead is None else args.max_overhead / 100
+    print(
+        f"searching for the largest batch that fits {args.budget_gb:g} GB"
+        + ("" if limit is None else f" at a predicted overhead of at most +{limit:.2%}"),
+        flush=True,
+    )
+    found = largest_batch(
+        model, shape, budget, args.mode, args.solver, max_overhead=limit,
+        progress=lambda line: print(line, flush=True), **_compile_options(args, spec, device),
+    )  # fmt: skip
+    args.batch = found.batch
+    out = args.output or os.path.join(
+        args.output_dir,
+        default_solution_name(spec, args.batch, args.mode, args.budget_gb, **_naming(args)),
+    )
+    found.compiled.solution.save(out)
+    nxt = found.probes[-1]
+    print(
+        f"batch {found.batch} fits; batch {nxt.batch} does not ({nxt.detail}, estimated"
+        f" from the profiles at batches {' and '.join(map(str, nxt.estimated_from))})"
+    )
+    report = _report_solution(args, found.compiled.solution, out)
+    report["batches_tried"] = [{"batch": p.batch, "fits": p.fits, "detail": p.detail}
+                               for p in found.probes]  # fmt: skip
+    return report
+
+
+def _report_solution(args, sol, out) -> dict:
+    """What solve.py prints of a solved schedule, and its JSON report."""
     if sol.gap is None:
         gap = "unknown (stopped before the solver's tolerance; it reports no bound)"
     elif sol.bound_s is None and sol.status == "optimal" and sol.gap > 0:

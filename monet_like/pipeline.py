@@ -102,8 +102,6 @@ def compile_schedule(
         UserError: bad input; `solver.InfeasibleBudget` (a UserError) when no schedule
         fits, with the smallest feasible budget.
     """
-    from monet_like.graph import capture
-    from monet_like.profile import profile as take_profile
     from monet_like.schedule import finalize
     from monet_like.solver import (
         DEFAULT_DEPTH,
@@ -114,37 +112,19 @@ def compile_schedule(
         solve,
     )
     from monet_like.solver.problem import build_problem
-    from monet_like.variants import apply as apply_variants
 
     if (budget_bytes is None) == (budget_fraction is None):
         raise UserError("give exactly one of budget_bytes and budget_fraction")
     if budget_fraction is not None and not 0.0 <= budget_fraction <= 1.0:
         raise UserError(f"budget_fraction must be within [0, 1], not {budget_fraction}")
     parse_mode(mode)
-    captured = capture(
-        model,
-        tuple(input_shape),
-        batch,
-        dtype,
-        device,
-        model_name,
-        input_grad=input_grad,
-        outputs_held=outputs_held,
-        autocast=autocast,
+    captured, graph = capture_graphs(
+        model, input_shape, batch, mode, dtype=dtype, device=device, model_name=model_name,
+        input_grad=input_grad, outputs_held=outputs_held, autocast=autocast, progress=progress,
+    )  # fmt: skip
+    prof, baseline = profile_graphs(
+        model, captured, graph, profile_batch, device, repeats, progress is not None
     )
-    graph = apply_variants(captured, mode, _zero_gamma_batch_norms(model, captured, mode, progress))
-    if progress is not None:
-        progress(graph.summary())
-        if graph.sites:
-            progress(f"  {describe_sites(graph)}")
-    bars = None if progress is not None else False  # progress bars where a line goes
-    prof = take_profile(model, graph, profile_batch, device, repeats, progress=bars)
-    baseline = None
-    if graph.variants:
-        # The solver weighs each variant's ops against the aten ops they replaced, timed
-        # in the captured graph, and keeps the captured graph itself where that is faster.
-        reference = take_profile(model, captured, profile_batch, device, repeats, progress=bars)
-        baseline = (captured, reference)
     low = min_budget_bytes
     if budget_fraction is not None:
         problem = build_problem(graph, prof)
@@ -195,6 +175,74 @@ def compile_schedule(
     if output is not None:
         sol.save(output)
     return Compiled(sol, graph, prof, low)
+
+
+def capture_graphs(
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    batch: int,
+    mode: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    model_name: str = "",
+    input_grad: bool = False,
+    outputs_held: bool = True,
+    autocast: torch.dtype | None = None,
+    progress: Callable[[str], None] | None = None,
+):
+    """The captured graph of one training step at `batch` (fake tensors: nothing is
+    allocated) and that graph with `mode`'s variants rewritten in.
+
+    Returns:
+        (captured, graph): two `monet_like.graph.Graph`s, the same one in normal mode.
+    """
+    from monet_like.graph import capture
+    from monet_like.variants import apply as apply_variants
+
+    captured = capture(
+        model,
+        tuple(input_shape),
+        batch,
+        dtype,
+        device,
+        model_name,
+        input_grad=input_grad,
+        outputs_held=outputs_held,
+        autocast=autocast,
+    )
+    graph = apply_variants(captured, mode, _zero_gamma_batch_norms(model, captured, mode, progress))
+    if progress is not None:
+        progress(graph.summary())
+        if graph.sites:
+            progress(f"  {describe_sites(graph)}")
+    return captured, graph
+
+
+def profile_graphs(
+    model: nn.Module,
+    captured,
+    graph,
+    profile_batch: int | None = None,
+    device: str | torch.device = "cpu",
+    repeats: int = 3,
+    lines: bool = True,
+):
+    """`graph`'s profile and, where it has variants, the captured graph's beside it: the
+    solver weighs each variant's ops against the aten ops they replaced, timed in the
+    captured graph, and keeps the captured graph itself where that is faster.
+
+    Returns:
+        (profile, baseline): baseline is (captured, its profile), or None in normal mode.
+    """
+    from monet_like.profile import profile as take_profile
+
+    bars = None if lines else False  # progress bars where a line goes
+    prof = take_profile(model, graph, profile_batch, device, repeats, progress=bars)
+    if not graph.variants:
+        return prof, None
+    reference = take_profile(model, captured, profile_batch, device, repeats, progress=bars)
+    return prof, (captured, reference)
 
 
 def _zero_gamma_batch_norms(model: nn.Module, captured, mode: str, progress) -> tuple[str, ...]:

@@ -4,11 +4,13 @@ their common ops' times aligned, and a profile derived for a graph from another'
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import replace
 
 from monet_like.graph import BACKWARD, FORWARD, Graph
 from monet_like.profile.algorithms import algorithm_workspace
 from monet_like.profile.types import Profile, _node_profiles
+from monet_like.profile.workspace import _extrapolate_float
 
 
 def _with_op_times(prof: Profile, graph: Graph, op_times: list[float]) -> Profile:
@@ -152,3 +154,67 @@ def derived_profile(
         cached=False,
     )
     return _with_op_times(derived, graph, [ref_times[i] for i in source])
+
+
+def at_batch(sources: list[tuple[Graph, Profile]], other: Graph) -> Profile:
+    """A profile of `other`, a step captured at some batch, carried over from profiles of
+    the same step at one or two other batches (`sources`: (graph, profile) pairs),
+    without running anything. Bytes come from `other` itself (exact). From two profiles,
+    each op's time and workspace follow the line through their two batches (never
+    negative; workspace never below what either measured: a library picks its blocking
+    by shape); from one, times scale with the batch and workspace scales up with it,
+    never down. An estimate for searching over batch sizes: a schedule that is kept is
+    solved again on a profile taken at its own batch.
+
+    Raises:
+        ValueError: the graphs do not run the same ops (batch-dependent control flow).
+    """
+    for graph, _ in sources:
+        if [o.target for o in graph.ops] != [o.target for o in other.ops]:
+            raise ValueError(f"the graphs at batches {graph.batch} and {other.batch} differ")
+    (g1, p1), (g2, p2) = sources[0], sources[-1]
+    b1, b2, batch = g1.batch, g2.batch, other.batch
+    if b1 == b2:  # one profile: proportional, workspace scaled up only
+
+        def time_at(t1: float, t2: float) -> float:
+            return t1 * batch / b1
+
+        def bytes_at(w1: int, w2: int) -> int:
+            return math.ceil(w1 * max(1.0, batch / b1))
+
+    else:
+
+        def time_at(t1: float, t2: float) -> float:
+            slope = max(0.0, (t2 - t1) / (b2 - b1))
+            if t1 < slope * b1:  # superlinear: proportional, through the larger batch
+                return t2 * batch / b2
+            return t1 - slope * b1 + slope * batch
+
+        def bytes_at(w1: int, w2: int) -> int:
+            return int(_extrapolate_float([w1], b1, [w2], b2, batch)[0])
+
+    ws1, ws2 = dict(p1.op_workspace), dict(p2.op_workspace)
+    workspace = [bytes_at(ws1.get(i, 0), ws2.get(i, 0)) for i in range(len(other.ops))]
+    times = [time_at(t1, t2) for t1, t2 in zip(p1.op_times_s, p2.op_times_s, strict=True)]
+    algorithms = {}
+    for site, per_site in p1.algorithms.items():
+        algorithms[site] = {}
+        for direction, rows in per_site.items():
+            theirs = {a: (s, w) for a, s, w in p2.algorithms.get(site, {}).get(direction, [])}
+            algorithms[site][direction] = [
+                [a, time_at(s, theirs.get(a, (s, w))[0]), bytes_at(w, theirs.get(a, (s, w))[1])]
+                for a, s, w in rows
+            ]
+    batches = f"batch {b1}" if b1 == b2 else f"batches {b1} and {b2}"
+    carried = replace(
+        p1,
+        fingerprint=other.fingerprint,
+        batch=batch,
+        scaled=True,
+        workspace_method=f"estimated from the profiles at {batches}",
+        nodes=_node_profiles(other, workspace),
+        op_workspace=[(i, w) for i, w in enumerate(workspace) if w > 0],
+        algorithms=algorithms,
+        cached=False,
+    )
+    return _with_op_times(carried, other, times)
