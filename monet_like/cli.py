@@ -2,6 +2,8 @@
 
   profile MODEL BATCH   capture the graph, predict the store-all peak, profile every node
   memory  MODEL BATCH   capture and predict only (nothing allocated: any batch size)
+  frontier MODEL BATCH  budgets from store-all down, measured beside PyTorch's own tools
+  zoo list|verify|download   the solution zoo
 
 Bad input gets one line on stderr and exit code 2; with --json the last line of
 standard output is one JSON object.
@@ -90,6 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     mem = sub.add_parser("memory", help="capture and predict the store-all peak only")
     _add_model_args(mem)
     mem.add_argument("--simulate", action="store_true", help="also run a fake-tensor eager step")
+    front = sub.add_parser(
+        "frontier", help="budgets from store-all down, measured beside PyTorch's own tools"
+    )
+    _add_model_args(front)
+    front.add_argument("--modes", default="normal", help="modes to sweep, comma-separated")
+    front.add_argument(
+        "--fractions",
+        default="1,0.75,0.5,0.25,0",
+        help="budgets between each mode's smallest (0) and the store-all peak (1)",
+    )
+    front.add_argument("--budgets", help="budgets in GB instead of --fractions, e.g. 0.15,0.14")
+    front.add_argument("--solver", default="HIGHS")
+    front.add_argument("--time_limit", type=float, default=120.0, help="seconds per solve")
+    front.add_argument("--repeats", type=positive_int, default=5, help="timed steps per point")
+    front.add_argument("--no_peers", action="store_true", help="monet_like's schedules only")
+    front.add_argument("--out", default="frontier", help="folder for frontier.csv and .png")
     zoo = sub.add_parser("zoo", help="the solution zoo: list, verify, download")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True, parser_class=_Parser)
     listing = zoo_sub.add_parser("list", help="the zoo as MONeT's results tables")
@@ -106,6 +124,50 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("--timeout", type=float, default=30.0, help="seconds per connection")
     get.add_argument("--json", action="store_true")
     return parser
+
+
+def cmd_frontier(args) -> dict:
+    from monet_like import frontier
+    from monet_like.files import writable_folder
+    from monet_like.solver import SOLVERS, parse_mode
+
+    modes = tuple(m for m in args.modes.split(",") if m)
+    for mode in modes:
+        parse_mode(mode)
+    if args.solver.upper() not in SOLVERS:
+        raise UserError(f"unknown solver {args.solver!r}: choose one of {', '.join(SOLVERS)}")
+    fractions = _numbers(args.fractions, "--fractions", 0.0, 1.0)
+    budgets = _numbers(args.budgets, "--budgets", 1e-9, _MAX_BUDGET_GB) if args.budgets else ()
+    why = writable_folder(os.path.join(args.out, "frontier.csv"))
+    if why:
+        raise UserError(why)
+    spec, shape, dtype, device = _setup(args)
+    if dtype != torch.float32:
+        raise UserError("frontier measures float32 training steps: leave --dtype out")
+    model = spec.build("cpu").to(device)
+    points = frontier.frontier(
+        model, shape, args.batch, modes, fractions, args.solver.upper(),
+        budgets_bytes=tuple(int(b * GIB) for b in budgets), peers=not args.no_peers,
+        repeats=args.repeats, time_limit=args.time_limit, device=device,
+        progress=lambda line: print(line, flush=True),
+    )  # fmt: skip
+    print(frontier.table(points))
+    title = f"{spec.expression}, batch {args.batch}, input {'x'.join(map(str, shape))}, {device}"
+    csv, png = frontier.write(points, args.out, title)
+    print(f"wrote {csv} and {png}")
+    return {"points": [p.__dict__ for p in points], "csv": str(csv), "png": str(png)}
+
+
+def _numbers(text: str, option: str, low: float, high: float) -> tuple[float, ...]:
+    """Comma-separated numbers within [low, high], or one line saying which is not."""
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UserError(f"{option} takes comma-separated numbers, got {text!r}") from None
+    bad = [v for v in values if not (math.isfinite(v) and low <= v <= high)]
+    if not values or bad:
+        raise UserError(f"{option}: every value must be within [{low:g}, {high:g}], got {text!r}")
+    return values
 
 
 def cmd_zoo(args) -> dict:
@@ -809,7 +871,12 @@ def check_main(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"profile": cmd_profile, "memory": cmd_memory, "zoo": cmd_zoo}
+    commands = {
+        "profile": cmd_profile,
+        "memory": cmd_memory,
+        "zoo": cmd_zoo,
+        "frontier": cmd_frontier,
+    }
     return _run("monet_like", args, commands[args.command])
 
 

@@ -1,0 +1,351 @@
+"""The memory/time frontier of one model and batch: monet_like's schedules from the
+store-all peak down to the smallest feasible budget, measured beside what a user would
+pick instead, in one run on one input (`python -m monet_like frontier`).
+
+Peers, each replayed eagerly so that only the plan differs:
+
+- `checkpoint_sequential` at 2, 4 and 8 segments, where the model is an nn.Sequential;
+- block checkpointing (`apply_activation_checkpointing` on each block: every child of
+  an nn.Sequential or nn.ModuleList below the root), recomputing everything, and with
+  a selective-checkpointing policy that keeps the outputs of matrix products and
+  convolutions (`create_selective_checkpoint_contexts`);
+- the compile partitioner's `activation_memory_budget` (AOTAutograd's min-cut
+  partitioner through `torch.compile` with a backend that runs the partitioned graphs
+  as they are, no fusion). Its recomputed BatchNorms would read running statistics the
+  forward has since updated (autograd's version check refuses the step), so it runs on
+  a copy whose BatchNorms keep no running statistics: that is said in its rows.
+
+Every point's peak is the CPU allocator's (kernels' scratch included) or, on CUDA, the
+caching allocator's bytes requested; its time is the median of `repeats` steps taken
+round-robin with eager's and every other point's, as a ratio to eager's.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from monet_like.units import GIB
+
+FRACTIONS = (1.0, 0.75, 0.5, 0.25, 0.0)  # of the way from the smallest budget to store-all
+SEGMENTS = (2, 4, 8)
+PARTITIONER_BUDGETS = (0.75, 0.5, 0.25, 0.1)
+
+
+@dataclass
+class Point:
+    """One tool at one setting, measured (and predicted, for monet_like's)."""
+
+    tool: str  # "monet_like normal", "checkpoint_sequential", ...
+    setting: str  # "budget 0.123 GB", "4 segments", "budget 0.5", ...
+    measured_peak_bytes: int
+    memory_fraction: float  # of eager's measured peak
+    overhead: float  # median step time over eager's, minus one
+    predicted_peak_bytes: int | None = None
+    predicted_overhead: float | None = None
+    note: str = ""
+
+
+def frontier(
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    batch: int,
+    modes: tuple[str, ...] = ("normal",),
+    fractions: tuple[float, ...] = FRACTIONS,
+    solver: str = "HIGHS",
+    *,
+    budgets_bytes: tuple[int, ...] = (),
+    peers: bool = True,
+    repeats: int = 5,
+    time_limit: float = 120.0,
+    device: str | torch.device = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> list[Point]:
+    """Measure monet_like's schedules and the peers on one model, batch and input.
+
+    Args:
+        model: the model (random weights are fine), on `device`.
+        input_shape: one sample's input shape; batch: the batch size.
+        modes: monet_like's modes to sweep.
+        fractions: budgets as points between each mode's smallest feasible budget (0.0)
+            and the store-all peak (1.0); ignored where `budgets_bytes` is given.
+        budgets_bytes: budgets in bytes instead of fractions.
+        peers: also measure the peers (see the module's docstring).
+        repeats: timed steps per point (median), after one warm-up round.
+
+    Returns:
+        One `Point` per tool and setting, eager's first.
+    """
+    from monet_like.inputs import make_input
+    from monet_like.pipeline import compile_schedule
+    from monet_like.solver import InfeasibleBudget
+    from monet_like.verify import measured_peak
+    from monet_like.wrapper import ScheduleWrapper
+
+    say = progress or (lambda _line: None)
+    device = torch.device(device)
+    x = make_input(model, tuple(input_shape), batch, torch.float32, "cpu").to(device)
+    steps: dict[tuple[str, str], Callable[[], None]] = {}
+    peaks: dict[tuple[str, str], int] = {}
+    predicted: dict[tuple[str, str], tuple[int, float]] = {}
+    notes: dict[tuple[str, str], str] = {}
+    eager = ("eager", "store-all")
+    steps[eager] = _step(model, x)
+    peaks[eager] = _peak(model, steps[eager], x)
+    say(f"eager: peak {peaks[eager] / GIB:.4f} GB")
+
+    folder = Path(tempfile.mkdtemp(prefix="monet_like_frontier_"))
+    for mode in modes:
+        low = None
+        points = [("budget", b) for b in budgets_bytes] or [("fraction", f) for f in fractions]
+        for kind, value in points:
+            key_args = {"budget_bytes": value} if kind == "budget" else {"budget_fraction": value}
+            try:
+                compiled = compile_schedule(
+                    model, input_shape, batch, mode=mode, solver=solver, device=device,
+                    min_budget_bytes=low, time_limit=time_limit,
+                    output=folder / f"{mode}_{kind}_{value}.json", **key_args,
+                )  # fmt: skip
+            except InfeasibleBudget as exc:
+                say(f"monet_like {mode}, {kind} {value}: {exc}")
+                continue
+            low = compiled.min_budget_bytes
+            sol = compiled.solution
+            key = (f"monet_like {mode}", f"budget {sol.budget_bytes / GIB:.4f} GB")
+            wrapped = ScheduleWrapper(model, folder / f"{mode}_{kind}_{value}.json", input_shape)
+            steps[key] = _step(wrapped, x, model)
+            peaks[key] = measured_peak(wrapped, x)
+            predicted[key] = (sol.predicted_peak_bytes, sol.overhead)
+            say(
+                f"{key[0]}, {key[1]}: predicted {sol.predicted_peak_bytes / GIB:.4f} GB"
+                f" {sol.overhead:+.2%}, measured {peaks[key] / GIB:.4f} GB"
+            )
+    if peers:
+        for key, build, note in _peers(model):
+            try:
+                net = build()
+                steps[key] = _step(net, x)
+                steps[key]()  # the partitioner compiles here; a peer that cannot run says so
+                peaks[key] = _peak(net, steps[key], x)
+            except Exception as exc:  # noqa: BLE001 (reported, and the others go on)
+                steps.pop(key, None)
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                say(f"{key[0]}, {key[1]}: cannot run here ({type(exc).__name__}: {first})")
+                continue
+            notes[key] = note
+            say(f"{key[0]}, {key[1]}: measured {peaks[key] / GIB:.4f} GB")
+
+    say(f"timing {len(steps)} points round-robin, {repeats} steps each after a warm-up")
+    times = _interleaved_times(steps, repeats)
+    base_time, base_peak = times[eager], peaks[eager]
+    return [
+        Point(
+            tool,
+            setting,
+            peaks[(tool, setting)],
+            peaks[(tool, setting)] / base_peak,
+            times[(tool, setting)] / base_time - 1,
+            *predicted.get((tool, setting), (None, None)),
+            notes.get((tool, setting), ""),
+        )
+        for tool, setting in steps
+    ]
+
+
+def _step(net: nn.Module, x: torch.Tensor, params: nn.Module | None = None):
+    """One training step of `net` on `x` (gradients of `params`, default `net`, reset)."""
+    from monet_like.graph import default_loss
+
+    owner = params if params is not None else net
+
+    def step() -> None:
+        owner.zero_grad(set_to_none=True)
+        default_loss(net(x)).backward()
+
+    return step
+
+
+def _peak(net: nn.Module, step: Callable[[], None], x: torch.Tensor) -> int:
+    from monet_like.memory import measure, measure_allocator, state_tensors
+
+    step()  # warm-up: libraries' persistent workspace, the partitioner's compile
+    net.zero_grad(set_to_none=True)
+    live = [*state_tensors(net), x]
+    if x.device.type == "cuda":
+        return measure(step, live, x.device).peak_bytes
+    return measure_allocator(step, live)
+
+
+def _interleaved_times(steps: dict, repeats: int) -> dict:
+    """Median seconds per step of each entry, taken round-robin so that load on a shared
+    machine falls on every entry alike; the first round is a warm-up."""
+    samples: dict = {key: [] for key in steps}
+    for round_ in range(repeats + 1):
+        for key, step in steps.items():
+            started = time.perf_counter()
+            step()
+            if round_:
+                samples[key].append(time.perf_counter() - started)
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of every nn.Sequential or nn.ModuleList below the root that hold
+    parameters (a network's repeated blocks; the root's own children where it is one)."""
+    found = []
+    for container in model.modules():
+        if isinstance(container, nn.Sequential | nn.ModuleList):
+            found += [m for m in container.children() if any(True for _ in m.parameters())]
+    return found
+
+
+def _peers(model: nn.Module):
+    """(key, a function that builds the module to step, note) for every peer that
+    applies to `model`."""
+    from functools import partial
+
+    if isinstance(model, nn.Sequential):
+        for segments in SEGMENTS:
+            if segments < len(model):
+                key = ("checkpoint_sequential", f"{segments} segments")
+                yield key, partial(_Segmented, model, segments), ""
+    blocks = _blocks(model)
+    if blocks:
+        for policy in ("recompute all", "save matmul/conv outputs"):
+            key = ("block checkpointing", f"{policy}, {len(blocks)} blocks")
+            yield key, partial(_checkpointed_blocks, model, policy), ""
+    for budget in PARTITIONER_BUDGETS:
+        key = ("compile partitioner", f"activation_memory_budget {budget}")
+        yield key, partial(_partitioned, model, budget), "BatchNorm running statistics off"
+
+
+class _Segmented(nn.Module):
+    """`model` (an nn.Sequential) run through checkpoint_sequential in `segments`."""
+
+    def __init__(self, model: nn.Sequential, segments: int) -> None:
+        super().__init__()
+        self.model, self.segments = model, segments
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint_sequential
+
+        return checkpoint_sequential(self.model, self.segments, t, use_reentrant=False)
+
+
+def _checkpointed_blocks(model: nn.Module, policy: str) -> nn.Module:
+    """A copy of `model` (same weights) whose blocks run under torch.utils.checkpoint."""
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    net = copy.deepcopy(model)
+    targets = set(map(id, _blocks(net)))
+    aten = torch.ops.aten
+    compute = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default}
+
+    def keep_compute(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in compute else CheckpointPolicy.PREFER_RECOMPUTE
+
+    kwargs = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT}
+    if policy != "recompute all":
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, keep_compute)
+    apply_activation_checkpointing(
+        net,
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper, **kwargs),
+        check_fn=lambda m: id(m) in targets,
+    )
+    return net
+
+
+def _partitioned(model: nn.Module, budget: float) -> nn.Module:
+    """A copy of `model` (same weights, BatchNorms without running statistics) compiled
+    with AOTAutograd's min-cut partitioner at `budget`, its graphs run unfused."""
+    import torch._functorch.config as functorch_config
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    net = copy.deepcopy(model)
+    for m in net.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.track_running_stats = False
+            m.running_mean = m.running_var = m.num_batches_tracked = None
+
+    def as_is(gm, _inputs):
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(
+        fw_compiler=as_is, bw_compiler=as_is, partition_fn=min_cut_rematerialization_partition
+    )
+    compiled = torch.compile(net, backend=backend, dynamic=False)
+
+    class Budgeted(nn.Module):  # the budget must hold while the first call compiles
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = compiled
+
+        def forward(self, t):
+            with functorch_config.patch(activation_memory_budget=budget):
+                return self.net(t)
+
+    return Budgeted()
+
+
+def write(points: list[Point], folder: str | Path, title: str) -> tuple[Path, Path]:
+    """frontier.csv (one row per tool and setting, `tool` first) and frontier.png
+    (memory fraction against overhead, one line per tool) in `folder`."""
+    import matplotlib
+    import pandas as pd
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame([asdict(p) for p in points])
+    csv = folder / "frontier.csv"
+    df.to_csv(csv, index=False)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for tool, g in df.groupby("tool", sort=False):
+        g = g.sort_values("memory_fraction")
+        ax.plot(100 * g["memory_fraction"], 100 * g["overhead"], marker="o", label=tool)
+    ax.set_xlabel("measured peak, % of eager's")
+    ax.set_ylabel("measured step time over eager's (%)")
+    ax.set_title(title, fontsize=9)
+    ax.invert_xaxis()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = folder / "frontier.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return csv, png
+
+
+def table(points: list[Point]) -> str:
+    """The points as a fixed-width table."""
+    lines = [
+        f"{'tool':28s} {'setting':38s} {'peak GB':>9s} {'of eager':>8s} {'overhead':>9s}"
+        f" {'predicted':>18s}"
+    ]
+    for p in points:
+        pred = ""
+        if p.predicted_peak_bytes is not None:
+            pred = f"{p.predicted_peak_bytes / GIB:.4f} {p.predicted_overhead:+.1%}"
+        lines.append(
+            f"{p.tool:28s} {p.setting:38s} {p.measured_peak_bytes / GIB:9.4f}"
+            f" {p.memory_fraction:8.1%} {p.overhead:+9.1%} {pred:>18s}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""python -m monet_like frontier: monet_like's schedules beside PyTorch's own tools."""
+
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from monet_like.frontier import frontier, table, write
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sequential_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers, width = [], 3
+    for out in (8, 16, 16, 32):
+        layers.append(
+            nn.Sequential(nn.Conv2d(width, out, 3, padding=1), nn.BatchNorm2d(out), nn.ReLU())
+        )
+        width = out
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
+
+
+def test_the_frontier_measures_every_tool_in_one_run(tmp_path):
+    model = sequential_net()
+    lines = []
+    points = frontier(model, (3, 16, 16), 8, fractions=(1.0, 0.0), repeats=1,
+                      time_limit=60, progress=lines.append)  # fmt: skip
+    tools = [p.tool for p in points]
+    assert tools[0] == "eager" and points[0].memory_fraction == 1.0 and points[0].overhead == 0
+    ours = [p for p in points if p.tool == "monet_like normal"]
+    assert len(ours) == 2
+    for p in ours:  # replayed: the measured peak within the prediction
+        assert p.measured_peak_bytes <= p.predicted_peak_bytes
+    # the smallest budget is below store-all and measured so
+    assert ours[1].measured_peak_bytes < ours[0].measured_peak_bytes
+    segments = {p.setting for p in points if p.tool == "checkpoint_sequential"}
+    assert segments == {"2 segments", "4 segments"}  # 8 is not fewer than the 7 children
+    assert sum(p.tool == "block checkpointing" for p in points) == 2
+    partitioned = [p for p in points if p.tool == "compile partitioner"]
+    assert len(partitioned) == 4 and all("running statistics" in p.note for p in partitioned)
+    assert all(p.measured_peak_bytes > 0 for p in points)
+    csv, png = write(points, tmp_path, "test")
+    df = pd.read_csv(csv)
+    assert list(df.columns)[0] == "tool" and len(df) == len(points)
+    assert png.stat().st_size > 0
+    assert "compile partitioner" in table(points)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--fractions", "1.5"], "within [0, 1]"),
+        (["--budgets", "x"], "comma-separated numbers"),
+        (["--modes", "bogus"], "mode"),
+        (["--solver", "nope"], "unknown solver"),
+    ],
+)
+def test_frontier_bad_input_is_one_line(args, message):
+    r = subprocess.run(
+        [sys.executable, "-m", "monet_like", "frontier", "torchvision.models.resnet18()", "4",
+         *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
