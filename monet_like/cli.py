@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="budgets between each mode's smallest (0) and the store-all peak (1)",
     )
     front.add_argument("--budgets", help="budgets in GB instead of --fractions, e.g. 0.15,0.14")
+    front.add_argument(
+        "--activation",
+        help="budgets instead as fractions of eager's activation memory, e.g. 0.75,0.5",
+    )
     front.add_argument("--solver", default="HIGHS")
     front.add_argument("--time_limit", type=float, default=120.0, help="seconds per solve")
     front.add_argument("--repeats", type=positive_int, default=5, help="timed steps per point")
@@ -138,6 +142,9 @@ def cmd_frontier(args) -> dict:
         raise UserError(f"unknown solver {args.solver!r}: choose one of {', '.join(SOLVERS)}")
     fractions = _numbers(args.fractions, "--fractions", 0.0, 1.0)
     budgets = _numbers(args.budgets, "--budgets", 1e-9, _MAX_BUDGET_GB) if args.budgets else ()
+    activation = _numbers(args.activation, "--activation", 0.0, 1.0) if args.activation else ()
+    if budgets and activation:
+        raise UserError("give --budgets or --activation, not both")
     why = writable_folder(os.path.join(args.out, "frontier.csv"))
     if why:
         raise UserError(why)
@@ -147,7 +154,8 @@ def cmd_frontier(args) -> dict:
     model = spec.build("cpu").to(device)
     points = frontier.frontier(
         model, shape, args.batch, modes, fractions, args.solver.upper(),
-        budgets_bytes=tuple(int(b * GIB) for b in budgets), peers=not args.no_peers,
+        budgets_bytes=tuple(int(b * GIB) for b in budgets), activation_fractions=activation,
+        peers=not args.no_peers,
         repeats=args.repeats, time_limit=args.time_limit, device=device,
         progress=lambda line: print(line, flush=True),
     )  # fmt: skip

@@ -48,6 +48,7 @@ class Point:
     setting: str  # "budget 0.123 GB", "4 segments", "budget 0.5", ...
     measured_peak_bytes: int
     memory_fraction: float  # of eager's measured peak
+    activation_fraction: float  # of eager's peak above the fixed part (see fixed_bytes)
     overhead: float  # median step time over eager's, minus one
     predicted_peak_bytes: int | None = None
     predicted_overhead: float | None = None
@@ -63,6 +64,7 @@ def frontier(
     solver: str = "HIGHS",
     *,
     budgets_bytes: tuple[int, ...] = (),
+    activation_fractions: tuple[float, ...] = (),
     peers: bool = True,
     repeats: int = 5,
     time_limit: float = 120.0,
@@ -78,6 +80,8 @@ def frontier(
         fractions: budgets as points between each mode's smallest feasible budget (0.0)
             and the store-all peak (1.0); ignored where `budgets_bytes` is given.
         budgets_bytes: budgets in bytes instead of fractions.
+        activation_fractions: budgets instead as fractions of eager's measured
+            activation memory (its peak above `fixed_bytes`).
         peers: also measure the peers (see the module's docstring).
         repeats: timed steps per point (median), after one warm-up round.
 
@@ -101,6 +105,9 @@ def frontier(
     steps[eager] = _step(model, x)
     peaks[eager] = _peak(model, steps[eager], x)
     say(f"eager: peak {peaks[eager] / GIB:.4f} GB")
+    fixed = fixed_bytes(model, x)
+    if activation_fractions:
+        budgets_bytes = tuple(int(fixed + f * (peaks[eager] - fixed)) for f in activation_fractions)
 
     folder = Path(tempfile.mkdtemp(prefix="monet_like_frontier_"))
     for mode in modes:
@@ -152,12 +159,21 @@ def frontier(
             setting,
             peaks[(tool, setting)],
             peaks[(tool, setting)] / base_peak,
+            (peaks[(tool, setting)] - fixed) / max(1, base_peak - fixed),
             times[(tool, setting)] / base_time - 1,
             *predicted.get((tool, setting), (None, None)),
             notes.get((tool, setting), ""),
         )
         for tool, setting in steps
     ]
+
+
+def fixed_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """What every tool holds whatever its plan: parameters, their gradients, buffers and
+    the input. The rest of a step's peak is activations and workspace."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return 2 * params + buffers + x.numel() * x.element_size()
 
 
 def _step(net: nn.Module, x: torch.Tensor, params: nn.Module | None = None):
@@ -198,13 +214,15 @@ def _interleaved_times(steps: dict, repeats: int) -> dict:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of every nn.Sequential or nn.ModuleList below the root that hold
-    parameters (a network's repeated blocks; the root's own children where it is one)."""
+    """The outermost children of an nn.Sequential or nn.ModuleList that hold parameters
+    (a network's repeated blocks; the root's own children where it is one), none inside
+    another (a ResNet block's downsample stays in its block)."""
     found = []
     for container in model.modules():
         if isinstance(container, nn.Sequential | nn.ModuleList):
             found += [m for m in container.children() if any(True for _ in m.parameters())]
-    return found
+    inner = {id(d) for m in found for d in m.modules() if d is not m}
+    return [m for m in found if id(m) not in inner]
 
 
 def _peers(model: nn.Module):
@@ -305,7 +323,7 @@ def _partitioned(model: nn.Module, budget: float) -> nn.Module:
 
 def write(points: list[Point], folder: str | Path, title: str) -> tuple[Path, Path]:
     """frontier.csv (one row per tool and setting, `tool` first) and frontier.png
-    (memory fraction against overhead, one line per tool) in `folder`."""
+    (activation memory against overhead, one line per tool) in `folder`."""
     import matplotlib
     import pandas as pd
 
@@ -319,9 +337,9 @@ def write(points: list[Point], folder: str | Path, title: str) -> tuple[Path, Pa
     df.to_csv(csv, index=False)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for tool, g in df.groupby("tool", sort=False):
-        g = g.sort_values("memory_fraction")
-        ax.plot(100 * g["memory_fraction"], 100 * g["overhead"], marker="o", label=tool)
-    ax.set_xlabel("measured peak, % of eager's")
+        g = g.sort_values("activation_fraction")
+        ax.plot(100 * g["activation_fraction"], 100 * g["overhead"], marker="o", label=tool)
+    ax.set_xlabel("measured activation memory (peak minus weights, gradients, input), % of eager's")
     ax.set_ylabel("measured step time over eager's (%)")
     ax.set_title(title, fontsize=9)
     ax.invert_xaxis()
@@ -337,7 +355,8 @@ def write(points: list[Point], folder: str | Path, title: str) -> tuple[Path, Pa
 def table(points: list[Point]) -> str:
     """The points as a fixed-width table."""
     lines = [
-        f"{'tool':28s} {'setting':38s} {'peak GB':>9s} {'of eager':>8s} {'overhead':>9s}"
+        f"{'tool':28s} {'setting':38s} {'peak GB':>9s} {'of eager':>8s} {'act.':>6s}"
+        f" {'overhead':>9s}"
         f" {'predicted':>18s}"
     ]
     for p in points:
@@ -346,6 +365,7 @@ def table(points: list[Point]) -> str:
             pred = f"{p.predicted_peak_bytes / GIB:.4f} {p.predicted_overhead:+.1%}"
         lines.append(
             f"{p.tool:28s} {p.setting:38s} {p.measured_peak_bytes / GIB:9.4f}"
-            f" {p.memory_fraction:8.1%} {p.overhead:+9.1%} {pred:>18s}"
+            f" {p.memory_fraction:8.1%} {p.activation_fraction:6.1%} {p.overhead:+9.1%}"
+            f" {pred:>18s}"
         )
     return "\n".join(lines)

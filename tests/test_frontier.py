@@ -31,7 +31,8 @@ def test_the_frontier_measures_every_tool_in_one_run(tmp_path):
     points = frontier(model, (3, 16, 16), 8, fractions=(1.0, 0.0), repeats=1,
                       time_limit=60, progress=lines.append)  # fmt: skip
     tools = [p.tool for p in points]
-    assert tools[0] == "eager" and points[0].memory_fraction == 1.0 and points[0].overhead == 0
+    assert tools[0] == "eager" and points[0].overhead == 0
+    assert points[0].memory_fraction == points[0].activation_fraction == 1.0
     ours = [p for p in points if p.tool == "monet_like normal"]
     assert len(ours) == 2
     for p in ours:  # replayed: the measured peak within the prediction
@@ -56,6 +57,7 @@ def test_the_frontier_measures_every_tool_in_one_run(tmp_path):
     [
         (["--fractions", "1.5"], "within [0, 1]"),
         (["--budgets", "x"], "comma-separated numbers"),
+        (["--budgets", "0.1", "--activation", "0.5"], "not both"),
         (["--modes", "bogus"], "mode"),
         (["--solver", "nope"], "unknown solver"),
     ],
