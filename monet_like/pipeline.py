@@ -23,6 +23,8 @@ from torch import nn
 from monet_like.errors import UserError
 from monet_like.units import GIB
 
+NOISY_SPREAD = 0.10  # a profile whose timed runs differ more than this is said to be noisy
+
 
 def describe_sites(graph) -> str:
     """The variants rewritten into `graph`, counted, e.g. 'relu_mask x17 (the solver's
@@ -167,6 +169,18 @@ def compile_schedule(
     # The solver's peak is a bound from its memory model; the schedule run on fake
     # tensors with each op's workspace gives the exact prediction.
     finalize(graph, sol, prof)
+    spread = getattr(prof, "time_spread", None)
+    if spread is not None:
+        sol.extra["profile_time_spread"] = spread
+        if spread > NOISY_SPREAD and progress is not None:
+            from monet_like.profile import cache_path
+
+            where = cache_path(graph, prof.profile_batch, torch.device(device))
+            progress(
+                f"  the profile's timed runs of the whole step differ by {spread:.0%} (a busy"
+                " machine?): predicted times are no surer than that; to profile again when"
+                f" the machine is quiet, remove {where}"
+            )
     if sol.predicted_peak_bytes > sol.budget_bytes:  # the MILP promised otherwise: a bug
         raise RuntimeError(
             f"the schedule's simulated peak {sol.predicted_peak_bytes / GIB:.4f} GB exceeds "

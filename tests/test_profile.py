@@ -54,6 +54,51 @@ def test_profile_measures_every_node_and_is_cached(tmp_path):
     assert Profile.from_json(first.to_json()).nodes == first.nodes
 
 
+def test_profile_keeps_the_noise_it_was_measured_with(monkeypatch):
+    """The spread of the timed runs' step totals is kept (cached with the profile),
+    absent from one timed run and from an older profile, and said by a solve whose
+    profile is noisier than NOISY_SPREAD."""
+    import json
+
+    from monet_like import pipeline
+    from monet_like.profile.timing import _median_times
+
+    class Runner:  # three timed runs of two ops: totals 3, 4 and 6 seconds
+        graph = type("G", (), {"ops": [0, 1]})()
+        device = torch.device("cpu")
+        runs = iter([(1, 1), (1, 2), (2, 2), (3, 3)])  # the first is the warm-up
+
+        def run(self, _args, on_op):
+            for idx, seconds in enumerate(next(self.runs)):
+                on_op(idx, lambda s=seconds: clock.append(clock[-1] + s))
+
+    clock = [0.0]  # a clock each op moves on by its seconds
+    monkeypatch.setattr("monet_like.profile.timing.time.perf_counter", lambda: clock[-1])
+    spread = []
+    times = _median_times(Runner(), lambda: None, 3, lambda _n: None, spread)
+    assert times == [2, 2] and spread == [pytest.approx((6 - 3) / 4)]
+    monkeypatch.undo()
+
+    torch.manual_seed(0)
+    model = Tiny()
+    graph = capture(model, (3, 16, 16), 8)
+    measured = profile(model, graph, repeats=3, progress=False, use_cache=False)
+    assert measured.time_spread is not None and measured.time_spread >= 0
+    assert Profile.from_json(measured.to_json()).time_spread == measured.time_spread
+    older = json.loads(measured.to_json())
+    del older["time_spread"]
+    assert Profile.from_json(json.dumps(older)).time_spread is None
+    assert profile(model, graph, repeats=1, progress=False, use_cache=False).time_spread is None
+
+    monkeypatch.setattr(pipeline, "NOISY_SPREAD", -1.0)  # every profile counts as noisy
+    lines = []
+    compiled = pipeline.compile_schedule(
+        model, (3, 16, 16), 8, budget_fraction=1.0, progress=lines.append
+    )
+    assert compiled.solution.extra["profile_time_spread"] == compiled.profile.time_spread
+    assert any("timed runs of the whole step differ" in line for line in lines)
+
+
 def test_profile_at_smaller_batch_scales_and_says_so():
     model = Tiny()
     graph = capture(model, (3, 16, 16), 8)

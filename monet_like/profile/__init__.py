@@ -165,7 +165,8 @@ def profile(
         disable=_bar_hidden(progress),
     )
     try:
-        times = _median_times(runner, args_fn, repeats, bar.update)
+        spread: list[float] = []
+        times = _median_times(runner, args_fn, repeats, bar.update, spread)
         time_fit = False
         workspace, method = workspace_at(small)
         bar.update(1)
@@ -242,6 +243,7 @@ def profile(
         op_workspace=[(i, w) for i, w in enumerate(workspace) if w > 0],
         profile_seconds=time.perf_counter() - started,
         algorithms=algorithms,
+        time_spread=spread[0] if spread and repeats > 1 else None,
     )
     result = _with_op_times(result, graph, op_times)
     if use_cache:  # a unique temporary file renamed over it: never half a profile

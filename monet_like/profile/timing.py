@@ -35,7 +35,12 @@ class _OpRunner:
             Timed(self.graph.fx).run(*args)
 
 
-def _median_times(runner: _OpRunner, args_fn, repeats: int, progress) -> list[float]:
+def _median_times(
+    runner: _OpRunner, args_fn, repeats: int, progress, spread: list | None = None
+) -> list[float]:
+    """Each op's median time over `repeats` timed runs of the whole graph (after one
+    warm-up run). `spread`, where given, receives the relative spread of the runs'
+    totals, (max - min) / median: how far the machine's noise moved the step."""
     n = len(runner.graph.ops)
     samples: list[list[float]] = [[] for _ in range(n)]
     cuda = runner.device.type == "cuda"
@@ -66,6 +71,10 @@ def _median_times(runner: _OpRunner, args_fn, repeats: int, progress) -> list[fl
             for idx, a, b in events:
                 samples[idx].append(a.elapsed_time(b) / 1e3 if cuda else a)
         progress(1)
+    if spread is not None:
+        totals = [sum(s[r] for s in samples if len(s) > r) for r in range(repeats)]
+        middle = statistics.median(totals) if totals else 0.0
+        spread.append((max(totals) - min(totals)) / middle if middle > 0 else 0.0)
     return [statistics.median(s) if s else 0.0 for s in samples]
 
 

@@ -54,6 +54,9 @@ class Profile:
     algorithms: dict[str, dict[str, list[list]]] = field(default_factory=dict)
     op_times_s: list[float] = field(default_factory=list)  # per op index, at the full batch
     aligned: str = ""  # how `align_times` set the times against another graph's profile
+    # (max - min) / median of the whole step's time over the timed runs: the noise the
+    # times were measured with (None: not recorded, a profile from an older release)
+    time_spread: float | None = None
     cached: bool = field(default=False, compare=False)
 
     def workspace_by_op(
