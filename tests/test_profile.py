@@ -214,6 +214,36 @@ def test_profile_refuses_meta_model():
         profile(model, graph, progress=False)
 
 
+def test_convolutions_alike_are_timed_once(monkeypatch):
+    """A repeated block's convolutions (same input, weight, gradient layouts, geometry
+    and gradients) share one measurement; one that differs in any of these is measured."""
+    from monet_like import profile as profile_module
+    from monet_like.variants import algorithm_sites, apply
+
+    measured = []
+    real = profile_module.algorithms._site_calls
+
+    def counted(site, *args, **kwargs):
+        measured.append(site["id"])
+        return real(site, *args, **kwargs)
+
+    monkeypatch.setattr(profile_module.algorithms, "_site_calls", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),  # no input gradient: its own signature
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),  # as the one before
+        nn.Conv2d(8, 8, 3, padding=2, dilation=2),  # another geometry
+    )  # fmt: skip
+    graph = apply(capture(model, (8, 8, 8), 4), "conv")
+    p = profile(model, graph, repeats=1, use_cache=False, progress=False)
+    sites = [s["id"] for s in algorithm_sites(graph)]  # in the graph's order
+    assert len(sites) == 4 and len(set(measured)) == 3
+    options = [p.algorithms[s] for s in sites]
+    assert options[1] == options[2] and options[1] is not options[2]
+    assert options[0].keys() != options[1].keys()  # no backward-data where no input gradient
+
+
 @pytest.mark.parametrize("timing_flops, workspace_flops", [(1e9, 1e10), (1, 1e10), (1, 1)])
 def test_convolution_algorithms_workspace_at_the_solved_batch(
     monkeypatch, timing_flops, workspace_flops

@@ -3,6 +3,7 @@ batch, their workspace measured or fitted, and the figures the solver reads."""
 
 from __future__ import annotations
 
+import copy
 import math
 from functools import partial
 
@@ -225,7 +226,12 @@ def _algorithm_options(
     bar = tqdm(
         sites, desc="timing convolution algorithms", unit="conv", disable=_bar_hidden(progress)
     )
+    measured: dict[tuple, dict[str, list[list]]] = {}  # signature -> options
     for site in bar:
+        signature = _site_signature(site, nodes)
+        if signature in measured:  # a repeated block's convolution: the same kernels
+            out[site["id"]] = copy.deepcopy(measured[signature])
+            continue
         fwd = nodes[site["forward"][0]]
         weight_shape, out_shape = fwd.args[1].meta["val"].shape, fwd.meta["val"].shape
         timed_at = _timing_batch(weight_shape, out_shape, graph.batch, profile_batch)
@@ -250,5 +256,31 @@ def _algorithm_options(
         entry: dict[str, list[list]] = {}
         for (direction, algo), t, ws in zip(keys, seconds, workspace, strict=True):
             entry.setdefault(direction, []).append([algo, t * graph.batch / timed_at, ws])
-        out[site["id"]] = entry
+        out[site["id"]] = measured[signature] = entry
+    bar.close()
+    if progress is not False and len(measured) < len(sites):
+        print(f"  {len(sites)} convolution sites, {len(measured)} distinct: each timed once")
     return out
+
+
+def _site_signature(site: dict, nodes: dict) -> tuple:
+    """What a convolution site's algorithm options depend on: its input, weight, bias and
+    incoming gradient as laid out in the graph (shape, strides, dtype), its geometry and
+    which gradients its backward computes. Sites alike in all of it run the same kernels
+    on the same shapes, and are measured once."""
+
+    def laid_out(node) -> tuple | None:
+        if not isinstance(node, torch.fx.Node):
+            return None
+        value = node.meta["val"]
+        return tuple(value.shape), tuple(value.stride()), value.dtype
+
+    x_node, w_node, b_node, *geometry = nodes[site["forward"][0]].args
+    backward = nodes[site["backward"]] if site["backward"] else None
+    return (
+        laid_out(x_node),
+        laid_out(w_node),
+        laid_out(b_node),
+        tuple(tuple(g) if isinstance(g, list) else g for g in geometry),
+        None if backward is None else (laid_out(backward.args[0]), tuple(backward.args[7])),
+    )
