@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from monet_like.errors import UserError
 from monet_like.units import GIB
 
 FRACTIONS = (1.0, 0.75, 0.5, 0.25, 0.0)  # of the way from the smallest budget to store-all
@@ -90,7 +91,6 @@ def frontier(
     """
     from monet_like.inputs import make_input
     from monet_like.pipeline import compile_schedule
-    from monet_like.solver import InfeasibleBudget
     from monet_like.verify import measured_peak
     from monet_like.wrapper import ScheduleWrapper
 
@@ -121,8 +121,8 @@ def frontier(
                     min_budget_bytes=low, time_limit=time_limit,
                     output=folder / f"{mode}_{kind}_{value}.json", **key_args,
                 )  # fmt: skip
-            except InfeasibleBudget as exc:
-                say(f"monet_like {mode}, {kind} {value}: {exc}")
+            except UserError as exc:  # infeasible, or stopped by the time limit: said
+                say(f"monet_like {mode}, {kind} {value}: no schedule ({exc})")
                 continue
             low = compiled.min_budget_bytes
             sol = compiled.solution
