@@ -66,6 +66,7 @@ def frontier(
     *,
     budgets_bytes: tuple[int, ...] = (),
     activation_fractions: tuple[float, ...] = (),
+    and_smallest: bool = False,
     peers: bool = True,
     repeats: int = 5,
     time_limit: float = 120.0,
@@ -83,6 +84,8 @@ def frontier(
         budgets_bytes: budgets in bytes instead of fractions.
         activation_fractions: budgets instead as fractions of eager's measured
             activation memory (its peak above `fixed_bytes`).
+        and_smallest: with budgets in bytes or activation fractions, also each mode's
+            smallest feasible budget.
         peers: also measure the peers (see the module's docstring).
         repeats: timed steps per point (median), after one warm-up round.
 
@@ -113,6 +116,8 @@ def frontier(
     for mode in modes:
         low = None
         points = [("budget", b) for b in budgets_bytes] or [("fraction", f) for f in fractions]
+        if budgets_bytes and and_smallest:
+            points.append(("fraction", 0.0))
         for kind, value in points:
             key_args = {"budget_bytes": value} if kind == "budget" else {"budget_fraction": value}
             try:

@@ -1,11 +1,12 @@
 """monet_like beside PyTorch's own memory tools, measured in one run per model.
 
     python scripts/bench_peers.py [--models resnet50,gpt] [--repeats 5] [--out out/peers]
-                                  [--activation 1,0.75,0.5,0.35,0.25] [--write_docs]
+                                  [--activation 1,0.75,0.5,0.35] [--write_docs]
 
 For each model (ResNet-50 at batch 16, 128 px; the package's small GPT), runs
 `monet_like.frontier.frontier`: monet_like's schedules (normal and full mode) at budgets
-given as fractions of eager's activation memory, and the peers (checkpoint_sequential
+given as fractions of eager's activation memory and at the smallest feasible one, and
+the peers (checkpoint_sequential
 where the model is a sequence, block checkpointing with two policies, the compile
 partitioner's activation_memory_budget), every step measured on this machine and timed
 round-robin. Prints each table and two verdicts:
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(CONFIGS))
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--activation", default="1,0.75,0.5,0.35,0.25")
+    ap.add_argument("--activation", default="1,0.75,0.5,0.35")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--time_limit", type=float, default=120.0)
     ap.add_argument("--out", default="out/peers")
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         points = frontier(
             model, shape, batch, tuple(args.modes.split(",")), solver="HIGHS",
             activation_fractions=tuple(float(f) for f in args.activation.split(",")),
+            and_smallest=True,
             repeats=args.repeats, time_limit=args.time_limit,
             progress=lambda line: print(f"  {line}", flush=True),
         )  # fmt: skip
