@@ -242,6 +242,29 @@ def resnet18_full_low(resnet18):
     return min_feasible_budget(resnet18[2], None, False, "HIGHS")
 
 
+def test_the_smallest_budget_is_never_above_store_alls(resnet18, monkeypatch):
+    """A search stopped with a schedule above store-all's peak (every recomputation
+    column on, standing in for a poor incumbent) and windows that cannot improve it:
+    the smallest budget is store-all's, not that schedule's."""
+    from monet_like.solver.start import store_all_start
+
+    _, _, problem = resnet18
+    f = formulate(problem, DEFAULT_DEPTH)
+    poor = store_all_start(f)
+    poor[list(f.r_index.values())] = 1
+    kept_all = evaluate(f, store_all_start(f))["peak_bytes"]
+    assert evaluate(f, poor)["peak_bytes"] > kept_all
+    monkeypatch.setattr(
+        solver_module, "solve_formulation",
+        lambda f_, *a, **k: RawResult("feasible", poor.copy(), 1.0, None, None, 0.0, "HIGHS"),
+    )  # fmt: skip
+    monkeypatch.setattr(solver_module, "shrink_peak", lambda f_, x, *a, **k: x)
+    lines = []
+    low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS", progress=lines.append)
+    assert low == kept_all
+    assert any("start from store-all" in line for line in lines)
+
+
 def test_windows_shrink_the_peak_down_to_the_smallest_budget(resnet18):
     # From the store-all schedule, windows of 8 units re-solved in turn lower the peak,
     # widening until one covers the network: the MILP's own smallest budget at the end,

@@ -117,6 +117,13 @@ def greedy_start(f: Formulation, budget_bytes: int, passes: int = 3) -> np.ndarr
     return x if peak <= budget_bytes else None
 
 
+def store_all_start(f: Formulation) -> np.ndarray:
+    """Binary columns of the schedule that keeps every unit it can (as the formulation
+    counts it, with the leanest convolution algorithms): no search for the least peak
+    may end above it."""
+    return _fit(f, np.ones(len(f.problem.units), dtype=bool))
+
+
 def least_peak_start(f: Formulation) -> np.ndarray:
     """Binary columns of a low-peak schedule found without a solver: from store-all,
     units dropped one at a time while the peak does not rise. The smallest-budget
