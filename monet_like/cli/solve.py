@@ -277,10 +277,9 @@ def _solve_auto(args, spec, shape, dtype, device) -> dict:
     )
     found.compiled.solution.save(out)
     nxt = found.probes[-1]
-    print(
-        f"batch {found.batch} fits; batch {nxt.batch} does not ({nxt.detail}, estimated"
-        f" from the profiles at batches {' and '.join(map(str, nxt.estimated_from))})"
-    )
+    source = " and ".join(map(str, nxt.estimated_from))
+    how = f", estimated from the profiles at batches {source}" if source else ""
+    print(f"batch {found.batch} fits; batch {nxt.batch} does not ({nxt.detail}{how})")
     report = _report_solution(args, found.compiled.solution, out)
     report["batches_tried"] = [{"batch": p.batch, "fits": p.fits, "detail": p.detail}
                                for p in found.probes]  # fmt: skip
