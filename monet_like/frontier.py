@@ -127,7 +127,8 @@ def frontier(
                     output=folder / f"{mode}_{kind}_{value}.json", **key_args,
                 )  # fmt: skip
             except UserError as exc:  # infeasible, or stopped by the time limit: said
-                say(f"monet_like {mode}, {kind} {value}: no schedule ({exc})")
+                where = f"budget {value / GIB:.4f} GB" if kind == "budget" else f"{kind} {value}"
+                say(f"monet_like {mode}, {where}: no schedule ({exc})")
                 continue
             low = compiled.min_budget_bytes
             sol = compiled.solution
