@@ -360,18 +360,20 @@ def write(points: list[Point], folder: str | Path, title: str) -> tuple[Path, Pa
 
 def table(points: list[Point]) -> str:
     """The points as a fixed-width table."""
+    tool_w = max(len("tool"), *(len(p.tool) for p in points))
+    setting_w = max(len("setting"), *(len(p.setting) for p in points))
     lines = [
-        f"{'tool':28s} {'setting':38s} {'peak GB':>9s} {'of eager':>8s} {'act.':>6s}"
-        f" {'overhead':>9s}"
-        f" {'predicted':>18s}"
+        f"{'tool':{tool_w}s} {'setting':{setting_w}s} {'peak GB':>9s} {'of eager':>8s}"
+        f" {'act.':>6s} {'overhead':>9s} {'predicted':>16s}"
     ]
     for p in points:
         pred = ""
         if p.predicted_peak_bytes is not None:
             pred = f"{p.predicted_peak_bytes / GIB:.4f} {p.predicted_overhead:+.1%}"
-        lines.append(
-            f"{p.tool:28s} {p.setting:38s} {p.measured_peak_bytes / GIB:9.4f}"
+        row = (
+            f"{p.tool:{tool_w}s} {p.setting:{setting_w}s} {p.measured_peak_bytes / GIB:9.4f}"
             f" {p.memory_fraction:8.1%} {p.activation_fraction:6.1%} {p.overhead:+9.1%}"
-            f" {pred:>18s}"
+            f" {pred:>16s}"
         )
+        lines.append(row.rstrip())
     return "\n".join(lines)
