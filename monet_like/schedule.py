@@ -22,13 +22,11 @@ import torch
 
 from monet_like.graph import BACKWARD, FORWARD, RUNNING_STAT_WRITERS, Graph, tangents_for
 from monet_like.solution import Solution
-from monet_like.validate import ScheduleError, validate
+from monet_like.validate import ORIGINAL, ScheduleError, validate
 from monet_like.variants import select
 
 if TYPE_CHECKING:
     from monet_like.profile import Profile
-
-ORIGINAL = -1  # version of a value computed in the forward pass
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from monet_like.schedule import Schedule
 
 
+ORIGINAL = -1  # version of a value computed in the forward pass (schedule.Step.version)
+
+
 class ScheduleError(UserError):
     """A schedule that would not replay the eager step exactly on this graph."""
 
@@ -73,8 +76,6 @@ def _eager_facts(gm: torch.fx.GraphModule):
 
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError unless every step of `schedule` reads what eager reads."""
-    from monet_like.schedule import ORIGINAL
-
     gm = schedule.fx
     nodes = {n.name: n for n in gm.graph.nodes}
     expected, written, final = _eager_facts(gm)
