@@ -67,6 +67,7 @@ def frontier(
     budgets_bytes: tuple[int, ...] = (),
     activation_fractions: tuple[float, ...] = (),
     and_smallest: bool = False,
+    frees: bool = False,
     peers: bool = True,
     repeats: int = 5,
     time_limit: float = 120.0,
@@ -86,6 +87,8 @@ def frontier(
             activation memory (its peak above `fixed_bytes`).
         and_smallest: with budgets in bytes or activation fractions, also each mode's
             smallest feasible budget.
+        frees: solve with `--frees` (each recomputed value freed after its last reader
+            in the stage: smaller budgets reachable, slower solves).
         peers: also measure the peers (see the module's docstring).
         repeats: timed steps per point (median), after one warm-up round.
 
@@ -123,7 +126,7 @@ def frontier(
             try:
                 compiled = compile_schedule(
                     model, input_shape, batch, mode=mode, solver=solver, device=device,
-                    min_budget_bytes=low, time_limit=time_limit,
+                    min_budget_bytes=low, time_limit=time_limit, frees=frees,
                     output=folder / f"{mode}_{kind}_{value}.json", **key_args,
                 )  # fmt: skip
             except UserError as exc:  # infeasible, or stopped by the time limit: said

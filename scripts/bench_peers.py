@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--time_limit", type=float, default=120.0)
     ap.add_argument("--out", default="out/peers")
+    ap.add_argument("--frees", action="store_true", help="solve.py's --frees for each solve")
     ap.add_argument("--write_docs", action="store_true")
     args = ap.parse_args(argv)
     sections = []
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         points = frontier(
             model, shape, batch, tuple(args.modes.split(",")), solver="HIGHS",
             activation_fractions=tuple(float(f) for f in args.activation.split(",")),
-            and_smallest=True,
+            and_smallest=True, frees=args.frees,
             repeats=args.repeats, time_limit=args.time_limit,
             progress=lambda line: print(f"  {line}", flush=True),
         )  # fmt: skip

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     front.add_argument("--solver", default="HIGHS")
     front.add_argument("--time_limit", type=float, default=120.0, help="seconds per solve")
     front.add_argument("--repeats", type=positive_int, default=5, help="timed steps per point")
+    front.add_argument("--frees", action="store_true", help="solve.py's --frees for each solve")
     front.add_argument("--no_peers", action="store_true", help="monet_like's schedules only")
     front.add_argument("--out", default="frontier", help="folder for frontier.csv and .png")
     zoo = sub.add_parser("zoo", help="the solution zoo: list, verify, download")
@@ -98,7 +99,7 @@ def cmd_frontier(args) -> dict:
     points = frontier.frontier(
         model, shape, args.batch, modes, fractions, args.solver.upper(),
         budgets_bytes=tuple(int(b * GIB) for b in budgets), activation_fractions=activation,
-        peers=not args.no_peers,
+        frees=args.frees, peers=not args.no_peers,
         repeats=args.repeats, time_limit=args.time_limit, device=device,
         progress=lambda line: print(line, flush=True),
     )  # fmt: skip
