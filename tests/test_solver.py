@@ -849,6 +849,22 @@ def test_highs_stopped_by_its_time_limit_without_a_schedule_says_so(resnet18_pro
         solve(graph, prof, budget, solver="HIGHS", time_limit=1)
 
 
+def test_highs_stopped_without_a_schedule_keeps_its_bound(monkeypatch):
+    """Raced HiGHS searches that all stop without a schedule: status "stopped", the best
+    of their bounds kept (in seconds), so that a returned start is measured by it."""
+    from monet_like.solver.backends import highs
+
+    def stopped(f, rhs, time_limit, gap, verbose, minimize_budget, start, pins, seed, *rest):
+        return highs._HighsOutcome("stopped", None, np.inf, 4000.0 + seed, "", None, seed)
+
+    monkeypatch.setattr(highs, "_highs_search", stopped)
+    raw = highs._solve_highs(None, None, 1, 1e-3, False, False, None, None, workers=2)
+    assert raw.status == "stopped" and raw.x_bool is None
+    assert raw.bound == pytest.approx(4.001)  # the best bound of the two, ms to s
+    budget = highs._solve_highs(None, None, 1, 1e-3, False, True, None, None, workers=2)
+    assert budget.bound is None  # a bound on memory, not on recomputation
+
+
 @pytest.mark.parametrize("cbc_stops", [False, True])
 def test_cbc_on_a_large_problem_races_a_search_and_then_windows_beside_it(
     resnet18_problem, monkeypatch, cbc_stops

@@ -199,7 +199,10 @@ def _solve_highs(
     if not found:
         stopped = all(o.status == "stopped" for o in outcomes)
         status, message = ("stopped", "") if stopped else ("error", outcomes[0].message)
-        return RawResult(status, None, None, None, None, 0.0, "HIGHS", message)
+        # A bound without a schedule is kept (as CBC's is): a returned start is measured by it.
+        bounds = [o.bound for o in outcomes if np.isfinite(o.bound)] if stopped else []
+        bound = max(bounds) * MS if bounds and not minimize_budget else None
+        return RawResult(status, None, None, bound, None, 0.0, "HIGHS", message)
     best = min(found, key=lambda o: o.objective)
     bounds = [o.bound for o in outcomes if np.isfinite(o.bound)]
     bound = max(bounds) if bounds else None  # each search's bound holds: the best counts
