@@ -97,7 +97,7 @@ def frontier(
     """
     from monet_like.inputs import make_input
     from monet_like.pipeline import compile_schedule
-    from monet_like.verify import measured_peak
+    from monet_like.verify import measured_peak, step_peak
     from monet_like.wrapper import ScheduleWrapper
 
     say = progress or (lambda _line: None)
@@ -109,7 +109,8 @@ def frontier(
     notes: dict[tuple[str, str], str] = {}
     eager = ("eager", "store-all")
     steps[eager] = _step(model, x)
-    peaks[eager] = _peak(model, steps[eager], x)
+    steps[eager]()  # warm-up: the libraries' first-call allocations are not the step's
+    peaks[eager] = step_peak(model, steps[eager], x)
     say(f"eager: peak {peaks[eager] / GIB:.4f} GB")
     fixed = fixed_bytes(model, x)
     if activation_fractions:
@@ -149,8 +150,8 @@ def frontier(
             try:
                 net = build()
                 steps[key] = _step(net, x)
-                steps[key]()  # the partitioner compiles here; a peer that cannot run says so
-                peaks[key] = _peak(net, steps[key], x)
+                steps[key]()  # warm-up (the partitioner compiles here), or it cannot run
+                peaks[key] = step_peak(net, steps[key], x)
             except Exception as exc:  # noqa: BLE001 (reported, and the others go on)
                 steps.pop(key, None)
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -196,17 +197,6 @@ def _step(net: nn.Module, x: torch.Tensor, params: nn.Module | None = None):
         default_loss(net(x)).backward()
 
     return step
-
-
-def _peak(net: nn.Module, step: Callable[[], None], x: torch.Tensor) -> int:
-    from monet_like.memory import measure, measure_allocator, state_tensors
-
-    step()  # warm-up: libraries' persistent workspace, the partitioner's compile
-    net.zero_grad(set_to_none=True)
-    live = [*state_tensors(net), x]
-    if x.device.type == "cuda":
-        return measure(step, live, x.device).peak_bytes
-    return measure_allocator(step, live)
 
 
 def _interleaved_times(steps: dict, repeats: int) -> dict:

@@ -225,8 +225,6 @@ def measured_peak(wrapped, x: torch.Tensor) -> int:
     held or not, autocast or not), seen by PyTorch's CPU allocator (kernels' scratch
     included) or, on CUDA, by the caching allocator's statistics (bytes requested, after a
     first step)."""
-    from monet_like.memory import measure, measure_allocator, state_tensors
-
     sol = wrapped.solution
     model = wrapped.model
 
@@ -240,6 +238,16 @@ def measured_peak(wrapped, x: torch.Tensor) -> int:
             loss = default_loss(out)
             del out
             loss.backward()
+
+    return step_peak(model, step, x)
+
+
+def step_peak(model: nn.Module, step, x: torch.Tensor) -> int:
+    """Peak bytes of one training step `step()` of `model` on `x` (gradients reset before
+    and after): PyTorch's CPU allocator events (kernels' scratch included) above the
+    state and input, or on CUDA the caching allocator's requested bytes after a first
+    step."""
+    from monet_like.memory import measure, measure_allocator, state_tensors
 
     model.zero_grad(set_to_none=True)
     live = [*state_tensors(model), x]

@@ -127,10 +127,7 @@ def _check_solve_args(args):
         if why:
             raise UserError(why)
         return spec, shape, dtype, device, None
-    out = args.output or os.path.join(
-        args.output_dir,
-        default_solution_name(spec, args.batch, args.mode, args.budget_gb, **_naming(args)),
-    )
+    out = _output_path(args, spec)
     why = writable_folder(out)
     if why:
         raise UserError(why)
@@ -142,6 +139,14 @@ def _check_solve_args(args):
             " replace it, or --output another file"
         )
     return spec, shape, dtype, device, out
+
+
+def _output_path(args, spec) -> str:
+    """--output, else MONeT's file name for this configuration in --output_dir."""
+    return args.output or os.path.join(
+        args.output_dir,
+        default_solution_name(spec, args.batch, args.mode, args.budget_gb, **_naming(args)),
+    )
 
 
 def _is_zoo_file(path: str) -> bool:
@@ -271,10 +276,7 @@ def _solve_auto(args, spec, shape, dtype, device) -> dict:
         progress=lambda line: print(line, flush=True), **_compile_options(args, spec, device),
     )  # fmt: skip
     args.batch = found.batch
-    out = args.output or os.path.join(
-        args.output_dir,
-        default_solution_name(spec, args.batch, args.mode, args.budget_gb, **_naming(args)),
-    )
+    out = _output_path(args, spec)
     found.compiled.solution.save(out)
     nxt = found.probes[-1]
     source = " and ".join(map(str, nxt.estimated_from))

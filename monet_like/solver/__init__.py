@@ -191,12 +191,13 @@ def _min_schedule(
     # 5.76 MB against 5.47 MB): the windows then start from store-all, and the answer is
     # never above it.
     kept_all = store_all_start(f)
-    if evaluate(f, start)["peak_bytes"] > evaluate(f, kept_all)["peak_bytes"]:
+    kept_all_peak = evaluate(f, kept_all)["peak_bytes"]
+    if evaluate(f, start)["peak_bytes"] > kept_all_peak:
         start = kept_all
         if progress is not None:
             progress("that schedule peaks above store-all's: the windows start from store-all")
     x = shrink_peak(f, start, solver, deadline, progress)
-    return x if evaluate(f, x)["peak_bytes"] <= evaluate(f, kept_all)["peak_bytes"] else kept_all
+    return x if evaluate(f, x)["peak_bytes"] <= kept_all_peak else kept_all
 
 
 OTHER_GRAPH_SHARE = 0.2  # of the time limit, kept for each graph solved after the mode's
