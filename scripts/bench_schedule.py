@@ -24,20 +24,12 @@ import warnings
 import pandas as pd
 import torch
 
-from monet_like.graph import capture, default_loss
+from monet_like.graph import default_loss
 from monet_like.memory import measure_allocator, state_tensors, training_step
 from monet_like.models import make_input, parse_model
-from monet_like.profile import profile
-from monet_like.schedule import finalize
-from monet_like.solver import (
-    DEFAULT_DEPTH,
-    InfeasibleBudget,
-    min_feasible_budget,
-    schedule_graph,
-    solve,
-)
+from monet_like.pipeline import capture_graphs, compile_schedule, profile_graphs
+from monet_like.solver import DEFAULT_DEPTH, InfeasibleBudget, min_feasible_budget
 from monet_like.solver.problem import build_problem
-from monet_like.variants import apply
 from monet_like.wrapper import ScheduleWrapper
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -89,12 +81,11 @@ def main() -> None:
         batch = args.batch or batch
         torch.manual_seed(0)
         model = parse_model(expression).build()
-        captured = capture(model, shape, batch, model_name=expression)
-        reference = profile(model, captured, progress=False)
         setups = {}
         for mode in modes:
-            graph = apply(captured, mode)
-            prof = reference if graph is captured else profile(model, graph, progress=False)
+            captured, graph = capture_graphs(model, shape, batch, mode, model_name=expression)
+            prof, baseline = profile_graphs(model, captured, graph, lines=False)
+            reference = prof if baseline is None else baseline[1]
             # Fixed fractions need no smallest budget (a 300 s solve per mode): a budget
             # below it is reported by the solve itself.
             low = (
@@ -102,7 +93,7 @@ def main() -> None:
                 if args.fractions
                 else min_feasible_budget(build_problem(graph, prof), DEFAULT_DEPTH, False, "HIGHS")
             )
-            setups[mode] = (graph, prof, low)
+            setups[mode] = low
         store_all = build_problem(captured, reference).store_all_peak_bytes
         x = make_input(model, shape, batch, torch.float32)
         if args.fractions:
@@ -110,26 +101,25 @@ def main() -> None:
         else:
             # The MILP's in-stage bound is conservative: at some sizes no schedule it can
             # express beats store-all, and store-all is then the only point.
-            low = min(low for _, _, low in setups.values())
+            low = min(setups.values())
             points = args.points if low < store_all else 1
             low = min(low, store_all)
             budgets = [
                 int(low + (1 - k / max(1, points - 1)) * (store_all - low)) for k in range(points)
             ]
         for (k, budget), mode in ((kb, m) for kb in enumerate(budgets) for m in modes):
-            graph, prof, mode_low = setups[mode]
-            if budget < mode_low:
+            if budget < setups[mode]:
                 print(f"{name:12s} {mode:>24s} {budget / MIB:9.1f}  below this mode's smallest")
                 continue
-            baseline = (captured, reference) if graph.variants else None
-            try:
-                sol = solve(graph, prof, budget, mode=mode, time_limit=300, baseline=baseline)
+            path = os.path.join(args.out, f"bench_schedule_{name}_{mode}_{k}.json")
+            try:  # the profiles are cached: this captures again and solves
+                sol = compile_schedule(
+                    model, shape, batch, budget, mode, "HIGHS", model_name=expression,
+                    time_limit=300, output=path,
+                ).solution  # fmt: skip
             except InfeasibleBudget as exc:
                 print(f"{name:12s} {mode:>24s} {budget / MIB:9.1f}  infeasible: {exc}")
                 continue
-            ran, ran_prof = schedule_graph(sol, graph, prof, baseline)
-            finalize(ran, sol, ran_prof)
-            path = sol.save(os.path.join(args.out, f"bench_schedule_{name}_{mode}_{k}.json"))
             wrapped = ScheduleWrapper(model, path, shape)
             model.zero_grad(set_to_none=True)
             measured = measure_allocator(
