@@ -125,7 +125,7 @@ def compile_schedule(
         input_grad=input_grad, outputs_held=outputs_held, autocast=autocast, progress=progress,
     )  # fmt: skip
     prof, baseline = profile_graphs(
-        model, captured, graph, profile_batch, device, repeats, progress is not None
+        model, captured, graph, profile_batch, device, repeats, progress is not None, progress
     )
     low = min_budget_bytes
     if budget_fraction is not None:
@@ -241,10 +241,12 @@ def profile_graphs(
     device: str | torch.device = "cpu",
     repeats: int = 3,
     lines: bool = True,
+    progress: Callable[[str], None] | None = None,
 ):
     """`graph`'s profile and, where it has variants, the captured graph's beside it: the
     solver weighs each variant's ops against the aten ops they replaced, timed in the
     captured graph, and keeps the captured graph itself where that is faster.
+    `progress`, where given, receives a line per profile taken: where its time went.
 
     Returns:
         (profile, baseline): baseline is (captured, its profile), or None in normal mode.
@@ -253,10 +255,25 @@ def profile_graphs(
 
     bars = None if lines else False  # progress bars where a line goes
     prof = take_profile(model, graph, profile_batch, device, repeats, progress=bars)
+    if progress is not None:
+        progress(profile_line(prof, "with its variants" if graph.variants else ""))
     if not graph.variants:
         return prof, None
     reference = take_profile(model, captured, profile_batch, device, repeats, progress=bars)
+    if progress is not None:
+        progress(profile_line(reference, "as captured"))
     return prof, (captured, reference)
+
+
+def profile_line(prof, which: str = "") -> str:
+    """One line on where a profile came from and, if taken now, where its time went."""
+    graph = f"the graph {which}" if which else "the graph"
+    if prof.cached:
+        return f"  profile of {graph}: from the cache"
+    stages = ", ".join(f"{name} {s:.1f} s" for name, s in prof.stage_seconds.items())
+    return f"  profiled {graph} in {prof.profile_seconds:.1f} s" + (
+        f" ({stages})" if stages else ""
+    )
 
 
 def _zero_gamma_batch_norms(model: nn.Module, captured, mode: str, progress) -> tuple[str, ...]:

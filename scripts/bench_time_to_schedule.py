@@ -51,7 +51,7 @@ def stages(model, shape, batch, budget, mode, solver) -> dict[str, float]:
     started = time.perf_counter()
     captured, graph = capture_graphs(model, shape, batch, mode)
     captured_at = time.perf_counter()
-    profile_graphs(model, captured, graph, lines=False)
+    profile_graphs(model, captured, graph, lines=False, progress=lambda line: print(f"  {line}"))
     profiled_at = time.perf_counter()
     compiled = compile_schedule(model, shape, batch, budget, mode, solver, time_limit=600)
     done = time.perf_counter()

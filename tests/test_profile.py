@@ -1,3 +1,4 @@
+import json
 import time
 
 import pandas as pd
@@ -5,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from monet_like import pipeline
 from monet_like.errors import UserError
 from monet_like.graph import capture
 from monet_like.profile import Profile, profile
@@ -58,9 +60,6 @@ def test_profile_keeps_the_noise_it_was_measured_with(monkeypatch):
     """The spread of the timed runs' step totals is kept (cached with the profile),
     absent from one timed run and from an older profile, and said by a solve whose
     profile is noisier than NOISY_SPREAD."""
-    import json
-
-    from monet_like import pipeline
     from monet_like.profile.timing import _median_times
 
     class Runner:  # three timed runs of two ops: totals 3, 4 and 6 seconds
@@ -97,6 +96,28 @@ def test_profile_keeps_the_noise_it_was_measured_with(monkeypatch):
     )
     assert compiled.solution.extra["profile_time_spread"] == compiled.profile.time_spread
     assert any("timed runs of the whole step differ" in line for line in lines)
+
+
+def test_profile_records_where_its_time_went():
+    """Each profiling stage's seconds are kept in the profile (in the order they ran,
+    within the whole), survive the cache, and a solve says them in one line."""
+    torch.manual_seed(0)
+    model = Tiny()
+    graph = capture(model, (3, 16, 16), 8)
+    measured = profile(model, graph, profile_batch=2, repeats=1, progress=False, use_cache=False)
+    stages = list(measured.stage_seconds)
+    assert stages[:2] == ["timed runs at batch 2", "workspace at batch 2"]
+    assert "timed runs at batch 4" in stages
+    assert all(s >= 0 for s in measured.stage_seconds.values())
+    assert sum(measured.stage_seconds.values()) <= measured.profile_seconds
+    assert Profile.from_json(measured.to_json()).stage_seconds == measured.stage_seconds
+    older = json.loads(measured.to_json())
+    del older["stage_seconds"]
+    assert Profile.from_json(json.dumps(older)).stage_seconds == {}
+    line = pipeline.profile_line(measured)
+    assert line.startswith("  profiled the graph in ") and "timed runs at batch 2" in line
+    measured.cached = True
+    assert pipeline.profile_line(measured, "as captured").endswith("as captured: from the cache")
 
 
 def test_profile_at_smaller_batch_scales_and_says_so():

@@ -228,6 +228,10 @@ def cmd_profile(args) -> dict:
         else ""
     )
     print(f"  profile on {prof.device} ({how}{scaled}); workspace: {prof.workspace_method}")
+    if prof.stage_seconds and not prof.cached:
+        print(
+            "  profiling took " + ", ".join(f"{k} {v:.1f} s" for k, v in prof.stage_seconds.items())
+        )
     print(
         f"  step time {prof.step_time_s * 1e3:.1f} ms = forward {prof.op_forward_s * 1e3:.1f}"
         f" + backward {prof.op_backward_s * 1e3:.1f}"

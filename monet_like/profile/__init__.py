@@ -164,11 +164,21 @@ def profile(
         unit="run",
         disable=_bar_hidden(progress),
     )
+    stage_seconds: dict[str, float] = {}
+    stage_started = [time.perf_counter()]
+
+    def stage_done(name: str) -> None:
+        now = time.perf_counter()
+        stage_seconds[name] = now - stage_started[0]
+        stage_started[0] = now
+
     try:
         spread: list[float] = []
         times = _median_times(runner, args_fn, repeats, bar.update, spread)
+        stage_done(f"timed runs at batch {profile_batch}")
         time_fit = False
         workspace, method = workspace_at(small)
+        stage_done(f"workspace at batch {profile_batch}")
         bar.update(1)
         if scaled:
             other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
@@ -180,11 +190,13 @@ def profile(
                 workspace, method = workspace_at(graph)
                 method += f", at batch {graph.batch}"
                 at_batch = every_op
+                stage_done(f"workspace at batch {graph.batch}")
             elif other_graph is not None:
                 # A weight reorder does not grow with the batch: fit each op's a + b * batch.
                 other, _ = workspace_at(other_graph)
                 workspace = _extrapolate(workspace, profile_batch, other, other_batch, graph.batch)
                 method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
+                stage_done(f"workspace at batch {other_batch}")
                 if graph.fx is not None:
                     alone, too_large = _remeasure_alone(graph, device, workspace, progress)
                     at_batch = set(alone)
@@ -192,6 +204,7 @@ def profile(
                     if too_large:
                         names = ", ".join(too_large)
                         method += f"; left as fitted, too large for the memory free: {names}"
+                    stage_done(f"large ops alone at batch {graph.batch}")
             if other_graph is not None:
                 # Times: a small batch is dominated by per-op overhead, which a
                 # linear scaling would multiply along with the real work.
@@ -202,6 +215,7 @@ def profile(
                     times, profile_batch, other_times, other_batch, graph.batch
                 )
                 time_fit = True
+                stage_done(f"timed runs at batch {other_batch}")
             bar.update(1)
     except (RuntimeError, NotImplementedError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -218,6 +232,7 @@ def profile(
     if graph.fx is not None and algorithm_sites(graph):
         with torch.no_grad():
             algorithms = _algorithm_options(graph, device, profile_batch, repeats, progress)
+        stage_done("convolution algorithms")
         # One figure per convolution op, so that the store-all prediction and the solver's
         # options agree: the step's where it was measured at the solved batch (the
         # options' own may be fitted from small batches), else the options'.
@@ -244,6 +259,7 @@ def profile(
         profile_seconds=time.perf_counter() - started,
         algorithms=algorithms,
         time_spread=spread[0] if spread and repeats > 1 else None,
+        stage_seconds=stage_seconds,
     )
     result = _with_op_times(result, graph, op_times)
     if use_cache:  # a unique temporary file renamed over it: never half a profile

@@ -57,6 +57,8 @@ class Profile:
     # (max - min) / median of the whole step's time over the timed runs: the noise the
     # times were measured with (None: not recorded, a profile from an older release)
     time_spread: float | None = None
+    # seconds each stage of profiling took, in order (what a cold solve's time went to)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
     cached: bool = field(default=False, compare=False)
 
     def workspace_by_op(
