@@ -207,6 +207,7 @@ def test_an_op_measured_alone_may_take_most_of_the_free_memory_and_one_that_cann
 
     def alone_with_free(free):
         monkeypatch.setattr(profile_module.workspace, "_available_memory_bytes", lambda: free)
+        monkeypatch.setattr(profile_module.workspace, "_ALONE_MEASURED", {})
         trial = list(workspace)
         measured, too_large = profile_module._remeasure_alone(graph, torch.device("cpu"), trial)
         return trial, measured, too_large
@@ -217,6 +218,38 @@ def test_an_op_measured_alone_may_take_most_of_the_free_memory_and_one_that_cann
     trial, measured, too_large = alone_with_free(int(need / 0.9))
     assert measured == [] and too_large == [conv.name]
     assert trial[conv.index] == workspace[conv.index]  # fitted, as it was
+
+
+def test_ops_alike_are_measured_alone_once(monkeypatch):
+    """Ops with the same target, argument layouts and other arguments (a repeated block's,
+    or the ones two graphs profiled in one process share) are run alone once; an op that
+    differs in its shapes is run itself."""
+    from monet_like.profile import workspace as workspace_module
+
+    model = nn.Sequential(
+        nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
+    )
+    graph = capture(model, (8, 16, 16), 4)
+    monkeypatch.setattr(workspace_module, "OP_REMEASURE_BYTES", 0)
+    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
+    runs = []
+    real_alone = workspace_module._workspace_alone
+
+    def counted(node, device, gen):
+        runs.append(node.name)
+        return real_alone(node, device, gen)
+
+    monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
+    forwards = [op for op in graph.ops if op.target == "aten.convolution.default"]
+    measured, _ = workspace_module._remeasure_alone(
+        graph, torch.device("cpu"), [0] * len(graph.ops)
+    )
+    assert {op.index for op in forwards} <= set(measured)
+    forward_runs = [name for name in runs if name in {op.name for op in forwards}]
+    assert forward_runs == [forwards[0].name, forwards[2].name]  # the second is the first's
+    runs.clear()
+    again, _ = workspace_module._remeasure_alone(graph, torch.device("cpu"), [0] * len(graph.ops))
+    assert again == measured and runs == []  # a second graph in the same process
 
 
 def test_conv_workspace_is_measured_on_cpu():
