@@ -159,7 +159,7 @@ def profile(
     runner = _OpRunner(small, device)
     args_fn = _real_args(model, small, device, dtype)
     bar = tqdm(
-        total=repeats + 2 + scaled,
+        total=repeats + 1 + scaled,
         desc=f"profiling {graph.model} at batch {profile_batch} on {device_name(device)}",
         unit="run",
         disable=_bar_hidden(progress),
@@ -174,15 +174,25 @@ def profile(
 
     try:
         spread: list[float] = []
-        times = _median_times(runner, args_fn, repeats, bar.update, spread)
-        stage_done(f"timed runs at batch {profile_batch}")
-        time_fit = False
+        # Each batch's workspace run (under the profiler) is also its timed runs' warm-up.
         workspace, method = workspace_at(small)
         stage_done(f"workspace at batch {profile_batch}")
         bar.update(1)
+        times = _median_times(runner, args_fn, repeats, bar.update, spread, warm_up=False)
+        stage_done(f"timed runs at batch {profile_batch}")
+        time_fit = False
         if scaled:
             other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
             other_graph = graph_at(other_batch) if other_batch != profile_batch else None
+            other_times = None
+
+            def timed_at_other(warm_up: bool) -> list[float]:
+                runner = _OpRunner(other_graph, device)
+                args = _real_args(model, other_graph, device, dtype)
+                found = _median_times(runner, args, repeats, lambda _n: None, warm_up=warm_up)
+                stage_done(f"timed runs at batch {other_batch}")
+                return found
+
             if graph.fx is not None and _fits_in_memory(graph, device):
                 # Workspace is not linear in the batch (a library picks its blocking by
                 # shape): ResNet-50 at 224 px, batch 16, fitted from batches 4 and 8,
@@ -194,9 +204,10 @@ def profile(
             elif other_graph is not None:
                 # A weight reorder does not grow with the batch: fit each op's a + b * batch.
                 other, _ = workspace_at(other_graph)
+                stage_done(f"workspace at batch {other_batch}")
+                other_times = timed_at_other(warm_up=False)
                 workspace = _extrapolate(workspace, profile_batch, other, other_batch, graph.batch)
                 method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
-                stage_done(f"workspace at batch {other_batch}")
                 if graph.fx is not None:
                     alone, too_large = _remeasure_alone(graph, device, workspace, progress)
                     at_batch = set(alone)
@@ -208,14 +219,12 @@ def profile(
             if other_graph is not None:
                 # Times: a small batch is dominated by per-op overhead, which a
                 # linear scaling would multiply along with the real work.
-                other_runner = _OpRunner(other_graph, device)
-                other_args = _real_args(model, other_graph, device, dtype)
-                other_times = _median_times(other_runner, other_args, repeats, lambda _n: None)
+                if other_times is None:
+                    other_times = timed_at_other(warm_up=True)
                 times = _extrapolate_float(
                     times, profile_batch, other_times, other_batch, graph.batch
                 )
                 time_fit = True
-                stage_done(f"timed runs at batch {other_batch}")
             bar.update(1)
     except (RuntimeError, NotImplementedError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

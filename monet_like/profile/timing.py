@@ -36,16 +36,23 @@ class _OpRunner:
 
 
 def _median_times(
-    runner: _OpRunner, args_fn, repeats: int, progress, spread: list | None = None
+    runner: _OpRunner,
+    args_fn,
+    repeats: int,
+    progress,
+    spread: list | None = None,
+    warm_up: bool = True,
 ) -> list[float]:
-    """Each op's median time over `repeats` timed runs of the whole graph (after one
-    warm-up run). `spread`, where given, receives the relative spread of the runs'
-    totals, (max - min) / median: how far the machine's noise moved the step."""
+    """Each op's median time over `repeats` timed runs of the whole graph, after one
+    warm-up run (`warm_up` False: the caller has just run the graph). `spread`, where
+    given, receives the relative spread of the runs' totals, (max - min) / median: how
+    far the machine's noise moved the step."""
     n = len(runner.graph.ops)
     samples: list[list[float]] = [[] for _ in range(n)]
     cuda = runner.device.type == "cuda"
 
-    for r in range(repeats + 1):  # the first run warms up and is dropped
+    first = 0 if warm_up else 1
+    for r in range(first, repeats + 1):  # run 0 warms up and is dropped
         events: list[tuple[int, object, object]] = []
 
         def on_op(idx, fn, events=events):
