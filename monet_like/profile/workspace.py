@@ -114,10 +114,14 @@ def _op_signature(node, device: torch.device) -> tuple:
     out (shape, strides, dtype) and its other arguments, on this device."""
     from torch.fx.node import Node, map_aggregate
 
+    def laid_out(v):
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), tuple(v.stride()), str(v.dtype))
+        return repr(v)
+
     def described(a):
         if isinstance(a, Node):
-            v = a.meta["val"]
-            return ("tensor", tuple(v.shape), tuple(v.stride()), str(v.dtype))
+            return torch.utils._pytree.tree_map(laid_out, a.meta.get("val"))
         return repr(a)
 
     args = map_aggregate((node.args, node.kwargs), described)
