@@ -54,6 +54,9 @@ class Point:
     predicted_peak_bytes: int | None = None
     predicted_overhead: float | None = None
     note: str = ""
+    # "measured", or "predicted at batch N": monet_like's schedule at a batch too large to
+    # run here, its peak and overhead predicted (fractions of its store-all prediction)
+    basis: str = "measured"
 
 
 def frontier(
@@ -69,6 +72,7 @@ def frontier(
     and_smallest: bool = False,
     frees: bool = False,
     peers: bool = True,
+    predict_batch: int | None = None,
     repeats: int = 5,
     time_limit: float = 120.0,
     device: str | torch.device = "cpu",
@@ -90,6 +94,10 @@ def frontier(
         frees: solve with `--frees` (each recomputed value freed after its last reader
             in the stage: smaller budgets reachable, slower solves).
         peers: also measure the peers (see the module's docstring).
+        predict_batch: also monet_like's schedules at this batch, predicted only (for a
+            batch too large to run here; the peers are measured at `batch`): at
+            `activation_fractions` of its predicted store-all activation memory where
+            given, else at `fractions`.
         repeats: timed steps per point (median), after one warm-up round.
 
     Returns:
@@ -160,10 +168,17 @@ def frontier(
             notes[key] = note
             say(f"{key[0]}, {key[1]}: measured {peaks[key] / GIB:.4f} GB")
 
+    at_predict_batch = []
+    if predict_batch is not None:
+        at_predict_batch = _predicted_points(
+            model, input_shape, predict_batch, modes, fractions, activation_fractions, solver,
+            frees, time_limit, device, folder, say,
+        )  # fmt: skip
+
     say(f"timing {len(steps)} points round-robin, {repeats} steps each after a warm-up")
     times = _interleaved_times(steps, repeats)
     base_time, base_peak = times[eager], peaks[eager]
-    return [
+    measured = [
         Point(
             tool,
             setting,
@@ -176,6 +191,62 @@ def frontier(
         )
         for tool, setting in steps
     ]
+    return measured + at_predict_batch
+
+
+def _predicted_points(
+    model, input_shape, batch, modes, fractions, activation_fractions, solver, frees,
+    time_limit, device, folder, say,
+) -> list[Point]:  # fmt: skip
+    """monet_like's schedules at `batch`, compiled (profiled at small batches, captured
+    and simulated on fake tensors) but not run: predicted points."""
+    from monet_like.pipeline import compile_schedule
+
+    basis = f"predicted at batch {batch}"
+    x = torch.empty((batch, *input_shape), device="meta")
+    fixed = fixed_bytes(model, x)
+    found = []
+    for mode in modes:
+        common = dict(mode=mode, solver=solver, device=device, time_limit=time_limit, frees=frees)
+        top = compile_schedule(model, input_shape, batch, budget_fraction=1.0, **common)
+        store_all = top.solution.store_all_peak_bytes
+        low = None
+        if activation_fractions:
+            points = [
+                {"budget_bytes": int(fixed + f * (store_all - fixed))} for f in activation_fractions
+            ]
+        else:
+            points = [{"budget_fraction": f} for f in fractions]
+        for k, budget in enumerate(points):
+            try:
+                compiled = compile_schedule(
+                    model, input_shape, batch, min_budget_bytes=low,
+                    output=folder / f"{mode}_predicted_{batch}_{k}.json", **budget, **common,
+                )  # fmt: skip
+            except UserError as exc:
+                say(f"monet_like {mode}, {basis}, {budget}: no schedule ({exc})")
+                continue
+            low = compiled.min_budget_bytes if low is None else low
+            sol = compiled.solution
+            found.append(
+                Point(
+                    f"monet_like {mode}",
+                    f"budget {sol.budget_bytes / GIB:.4f} GB",
+                    sol.predicted_peak_bytes,
+                    sol.predicted_peak_bytes / store_all,
+                    (sol.predicted_peak_bytes - fixed) / max(1, store_all - fixed),
+                    sol.overhead,
+                    sol.predicted_peak_bytes,
+                    sol.overhead,
+                    "",
+                    basis,
+                )
+            )
+            say(
+                f"monet_like {mode}, {basis}, budget {sol.budget_bytes / GIB:.4f} GB:"
+                f" predicted {sol.predicted_peak_bytes / GIB:.4f} GB {sol.overhead:+.2%}"
+            )
+    return found
 
 
 def fixed_bytes(model: nn.Module, x: torch.Tensor) -> int:
@@ -335,11 +406,22 @@ def write(points: list[Point], folder: str | Path, title: str) -> tuple[Path, Pa
     csv = folder / "frontier.csv"
     df.to_csv(csv, index=False)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for tool, g in df.groupby("tool", sort=False):
+    for (tool, basis), g in df.groupby(["tool", "basis"], sort=False):
         g = g.sort_values("activation_fraction")
-        ax.plot(100 * g["activation_fraction"], 100 * g["overhead"], marker="o", label=tool)
-    ax.set_xlabel("measured activation memory (peak minus weights, gradients, input), % of eager's")
-    ax.set_ylabel("measured step time over eager's (%)")
+        measured = basis == "measured"
+        ax.plot(
+            100 * g["activation_fraction"],
+            100 * g["overhead"],
+            marker="o" if measured else "x",
+            linestyle="-" if measured else "--",
+            label=tool if measured else f"{tool}, {basis}",
+        )
+    predicted = (df["basis"] != "measured").any()
+    ax.set_xlabel(
+        "activation memory (peak minus weights, gradients, input), % of eager's"
+        + (" (dashed: predicted, % of the store-all prediction)" if predicted else ", measured")
+    )
+    ax.set_ylabel("step time over eager's (%)" + (", dashed: predicted" if predicted else ""))
     ax.set_title(title, fontsize=9)
     ax.invert_xaxis()
     ax.grid(alpha=0.3)
@@ -359,6 +441,8 @@ def table(points: list[Point]) -> str:
         f"{'tool':{tool_w}s} {'setting':{setting_w}s} {'peak GB':>9s} {'of eager':>8s}"
         f" {'act.':>6s} {'overhead':>9s} {'predicted':>16s}"
     ]
+    if any(p.basis != "measured" for p in points):
+        lines[0] += "  basis"
     for p in points:
         pred = ""
         if p.predicted_peak_bytes is not None:
@@ -368,5 +452,7 @@ def table(points: list[Point]) -> str:
             f" {p.memory_fraction:8.1%} {p.activation_fraction:6.1%} {p.overhead:+9.1%}"
             f" {pred:>16s}"
         )
+        if p.basis != "measured":
+            row += f"  {p.basis}"
         lines.append(row.rstrip())
     return "\n".join(lines)

@@ -69,3 +69,29 @@ def test_frontier_bad_input_is_one_line(args, message):
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_batch_too_large_to_run_is_predicted_beside_the_measured_one(tmp_path):
+    """With predict_batch, monet_like's schedules at that batch are compiled but not run:
+    their points say so, hold the prediction itself as fractions of the predicted
+    store-all step, and the table, CSV and plot keep them apart from measured points."""
+    from monet_like.pipeline import compile_schedule
+
+    model = sequential_net()
+    points = frontier(model, (3, 16, 16), 4, fractions=(1.0, 0.0), peers=False, repeats=1,
+                      predict_batch=16, time_limit=60)  # fmt: skip
+    measured = [p for p in points if p.basis == "measured"]
+    predicted = [p for p in points if p.basis != "measured"]
+    assert [p.tool for p in measured] == ["eager", "monet_like normal", "monet_like normal"]
+    assert len(predicted) == 2 and all(p.basis == "predicted at batch 16" for p in predicted)
+    top, smallest = predicted
+    assert top.memory_fraction == 1.0 and top.activation_fraction == pytest.approx(1.0)
+    assert top.overhead == top.predicted_overhead == pytest.approx(0.0, abs=1e-9)
+    assert smallest.measured_peak_bytes == smallest.predicted_peak_bytes
+    assert smallest.activation_fraction < 1.0 and smallest.overhead > 0
+    # the same figure a solve at batch 16 gives for that budget
+    again = compile_schedule(model, (3, 16, 16), 16, budget_fraction=0.0, time_limit=60)
+    assert again.solution.predicted_peak_bytes == smallest.predicted_peak_bytes
+    assert "predicted at batch 16" in table(points)
+    csv, _png = write(points, tmp_path, "test")
+    assert (pd.read_csv(csv)["basis"] == "predicted at batch 16").sum() == 2

@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     front.add_argument("--repeats", type=positive_int, default=5, help="timed steps per point")
     front.add_argument("--frees", action="store_true", help="solve.py's --frees for each solve")
     front.add_argument("--no_peers", action="store_true", help="monet_like's schedules only")
+    front.add_argument(
+        "--predict_batch",
+        type=positive_int,
+        help="also monet_like's schedules at this batch, predicted, not run (too large here)",
+    )
     front.add_argument("--out", default="frontier", help="folder for frontier.csv and .png")
     zoo = sub.add_parser("zoo", help="the solution zoo: list, verify, download")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True, parser_class=_Parser)
@@ -99,12 +104,14 @@ def cmd_frontier(args) -> dict:
     points = frontier.frontier(
         model, shape, args.batch, modes, fractions, args.solver.upper(),
         budgets_bytes=tuple(int(b * GIB) for b in budgets), activation_fractions=activation,
-        frees=args.frees, peers=not args.no_peers,
+        frees=args.frees, peers=not args.no_peers, predict_batch=args.predict_batch,
         repeats=args.repeats, time_limit=args.time_limit, device=device,
         progress=lambda line: print(line, flush=True),
     )  # fmt: skip
     print(frontier.table(points))
     title = f"{spec.expression}, batch {args.batch}, input {'x'.join(map(str, shape))}, {device}"
+    if args.predict_batch:
+        title += f"; dashed: monet_like at batch {args.predict_batch}, predicted"
     csv, png = frontier.write(points, args.out, title)
     print(f"wrote {csv} and {png}")
     return {"points": [p.__dict__ for p in points], "csv": str(csv), "png": str(png)}
