@@ -8,7 +8,7 @@ The README's headline command, stage by stage, as `solve.py --no_zoo` runs it: f
 with an empty profile cache (cold), then again with the profiles it cached (warm).
 The unit is one eager training step of the same model at `--unit_batch` (224 px),
 the median of three, measured in this run before and after (the machine's speed
-moves): each stage's seconds are printed as a multiple of it. Targets (issue 40): the
+moves): each stage's seconds are printed as a multiple of it. Targets: the
 cold run within 60 units, its profiling within 30; the warm run within 3 units plus
 the solve.
 """
