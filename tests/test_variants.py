@@ -578,3 +578,39 @@ def test_batch_chunks_lower_the_smallest_budget_where_workspace_binds(tmp_path):
     # alone by PyTorch's algorithm (beside a chunked weight part) was measured with one
     # activation more scratch than the replay takes (a fifth of this net's peak).
     _replays_like_eager_with_its_algorithms(model, graph, sol, path, shape, batch, exact_peak=False)
+
+
+def test_a_graph_whose_fastest_step_cannot_win_is_not_solved(monkeypatch):
+    """The full mode weighs three graphs; one whose fastest possible step (store-all,
+    every option at its fastest) is no faster than a schedule already found is skipped,
+    said in a line and kept in the solution's `not_solved`, and the schedule returned is
+    the one solving every graph gives."""
+    from test_profile import _conv_block
+
+    from monet_like import solver as solver_module
+
+    torch.manual_seed(0)
+    model, shape, batch = _conv_block(), (3, 16, 16), 8
+    captured = capture(model, shape, batch)
+    graph = apply(captured, FULL)
+    reference = profile(model, captured, repeats=1, use_cache=False, progress=False)
+    own = profile(model, graph, repeats=1, use_cache=False, progress=False)
+    prof = align_times(own, graph, reference, captured)
+    theirs = {(o.name, str(o.target)) for o in captured.ops}
+    times = list(prof.op_times_s)
+    for o in graph.ops:  # the variants' own ops made free: their graph is the fastest
+        if (o.name, str(o.target)) not in theirs:
+            times[o.index] = 0.0
+    prof = _with_op_times(prof, graph, times)
+    baseline = (captured, reference)
+    lines = []
+    skipping = solve(graph, prof, 2**30, mode=FULL, baseline=baseline, progress=lines.append)
+    assert "the captured graph (no variants)" in skipping.extra["not_solved"]
+    for fastest in skipping.extra["not_solved"].values():
+        assert fastest >= skipping.predicted_time_s
+    assert any(line.startswith("not solving the captured graph") for line in lines)
+    monkeypatch.setattr(solver_module, "_fastest_step_s", lambda _problem: float("-inf"))
+    every = solve(graph, prof, 2**30, mode=FULL, baseline=baseline)
+    assert "not_solved" not in every.extra
+    assert every.predicted_time_s == skipping.predicted_time_s
+    assert every.variants == skipping.variants and every.stages == skipping.stages
