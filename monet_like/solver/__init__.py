@@ -236,7 +236,8 @@ def solve(
     variant that only changes what a backward op reads runs, or the aten op it
     replaced; and it also solves the captured graph itself, and where the mode has
     convolution algorithms beside other variants the captured graph with the algorithms
-    alone, and returns the fastest schedule (`Solution.variants` says which graph it
+    alone (each unless its fastest possible step is no faster than a schedule in hand),
+    and returns the fastest schedule (`Solution.variants` says which graph it
     runs on; `schedule_graph` gives that graph). So a mode is never slower than `normal`
     at the same budget, nor the full mode than `conv`. The ops both graphs run take the
     baseline profile's times, the others theirs scaled to its speed
