@@ -249,6 +249,30 @@ def _predicted_points(
     return found
 
 
+def published(model: nn.Module, expression: str, batch: int, input_shape) -> list[Point]:
+    """MONeT's published points (a P100 GPU, its paper's table) where `expression` at
+    `batch` and `input_shape` is one of its five configurations: peaks as fractions of
+    its PyTorch peak, activation memory above this model's fixed part at that batch."""
+    from monet_like.zoo import published_points
+
+    fixed = fixed_bytes(model, torch.empty((batch, *input_shape), device="meta"))
+    points = []
+    for gb, overhead, pytorch_gb in published_points(expression, batch, input_shape):
+        peak, top = int(gb * GIB), int(pytorch_gb * GIB)
+        points.append(
+            Point(
+                "MONeT",
+                f"peak {gb:g} GB",
+                peak,
+                peak / top,
+                (peak - fixed) / max(1, top - fixed),
+                overhead,
+                basis="published: P100 GPU, MONeT's paper",
+            )
+        )
+    return points
+
+
 def fixed_bytes(model: nn.Module, x: torch.Tensor) -> int:
     """What every tool holds whatever its plan: parameters, their gradients, buffers and
     the input. The rest of a step's peak is activations and workspace."""

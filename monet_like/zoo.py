@@ -399,6 +399,38 @@ PUBLISHED = {
 }
 
 
+# MONeT's five configurations: name -> (model expression, batch, one sample's input shape)
+MONET_CONFIGS = {
+    "resnet50": ("torchvision.models.resnet50()", 184, (3, 224, 224)),
+    "googlenet": ("torchvision.models.googlenet()", 320, (3, 224, 224)),
+    "unet": ("unet", 11, (3, 416, 608)),
+    "mobilenet_v2": ("torchvision.models.mobilenet_v2()", 272, (3, 224, 224)),
+    "vgg16": ("torchvision.models.vgg16()", 176, (3, 224, 224)),
+}
+
+
+def published_points(model: str, batch: int, input_shape: tuple[int, ...]) -> list[tuple]:
+    """MONeT's published (peak GB, overhead) at 10 to 5 GB and its PyTorch peak, where
+    `model` at `batch` and `input_shape` is one of its five configurations; else [].
+
+    Returns:
+        [(peak_gb, overhead, pytorch_peak_gb)] in budget order.
+    """
+    config = next(
+        (c for c in MONET_CONFIGS.values() if c == (model, batch, tuple(input_shape))), None
+    )
+    if config is None:
+        return []
+    store_all, *cells = PUBLISHED[model].split("|")
+    pytorch = float(store_all.split()[0])
+    found = []
+    for budget, cell in zip((10.0, 9.0, 8.0, 7.0, 6.0, 5.0), cells, strict=True):
+        overhead, _, peak = cell.partition(" (")
+        gb = float(peak.rstrip(")")) if peak else budget
+        found.append((gb, float(overhead.rstrip("%")) / 100, pytorch))
+    return found
+
+
 def published_rows() -> dict:
     rows = {}
     for model, text in PUBLISHED.items():

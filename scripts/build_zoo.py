@@ -30,6 +30,7 @@ from monet_like.solver import InfeasibleBudget
 from monet_like.units import GIB
 from monet_like.variants import apply as apply_variants
 from monet_like.zoo import (
+    MONET_CONFIGS,
     ZOO_DIR,
     ZooEntry,
     entry_for,
@@ -42,14 +43,7 @@ from monet_like.zoo import (
     write_index,
 )
 
-# MONeT's five configurations: (model expression, batch, per-sample input shape)
-CONFIGS = {
-    "resnet50": ("torchvision.models.resnet50()", 184, (3, 224, 224)),
-    "googlenet": ("torchvision.models.googlenet()", 320, (3, 224, 224)),
-    "unet": ("unet", 11, (3, 416, 608)),
-    "mobilenet_v2": ("torchvision.models.mobilenet_v2()", 272, (3, 224, 224)),
-    "vgg16": ("torchvision.models.vgg16()", 176, (3, 224, 224)),
-}
+CONFIGS = MONET_CONFIGS
 FULL = "inplace_conv_multiway_newnode"
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -95,3 +95,28 @@ def test_a_batch_too_large_to_run_is_predicted_beside_the_measured_one(tmp_path)
     assert "predicted at batch 16" in table(points)
     csv, _png = write(points, tmp_path, "test")
     assert (pd.read_csv(csv)["basis"] == "predicted at batch 16").sum() == 2
+
+
+def test_monets_published_points_join_the_frontier_at_its_configurations(tmp_path):
+    """At one of MONeT's five configurations the frontier carries its paper's points
+    (their basis says so; peaks as fractions of its PyTorch peak); at any other, none."""
+    import torchvision
+
+    from monet_like.frontier import published
+
+    model = torchvision.models.resnet50()
+    points = published(model, "torchvision.models.resnet50()", 184, (3, 224, 224))
+    assert [p.setting for p in points] == [f"peak {gb} GB" for gb in (10, 9, 8, 7, 6, 5)]
+    assert points[0].overhead == pytest.approx(0.0322) and points[-1].overhead == pytest.approx(
+        0.1195
+    )
+    assert points[0].memory_fraction == pytest.approx(10 / 15.06, abs=1e-6)
+    assert all(p.basis.startswith("published") for p in points)
+    fractions = [p.activation_fraction for p in points]
+    assert fractions == sorted(fractions, reverse=True) and 0 < fractions[-1] < fractions[0] < 1
+    vgg = published(torchvision.models.vgg16(), "torchvision.models.vgg16()", 176, (3, 224, 224))
+    assert vgg[0].setting == "peak 9.71 GB"  # MONeT's own peak where the paper gives it
+    assert published(model, "torchvision.models.resnet50()", 16, (3, 224, 224)) == []
+    csv, _png = write(points, tmp_path, "published")
+    assert (pd.read_csv(csv)["tool"] == "MONeT").all()
+    assert "published: P100 GPU" in table(points)

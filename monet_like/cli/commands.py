@@ -108,6 +108,8 @@ def cmd_frontier(args) -> dict:
         repeats=args.repeats, time_limit=args.time_limit, device=device,
         progress=lambda line: print(line, flush=True),
     )  # fmt: skip
+    for batch in dict.fromkeys(b for b in (args.batch, args.predict_batch) if b):
+        points += frontier.published(model, spec.expression, batch, shape)
     print(frontier.table(points))
     title = f"{spec.expression}, batch {args.batch}, input {'x'.join(map(str, shape))}, {device}"
     if args.predict_batch:
