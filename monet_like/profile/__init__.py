@@ -2,9 +2,9 @@
 
 Bytes come from the graph (exact, from shapes, at the full batch). Times and
 workspace are measured by running the captured joint graph op by op on real
-tensors: a warm-up run, then `repeats` timed runs, the median kept per op; one
-more run under torch.profiler with memory recording gives each op's workspace
-(the peak of what it allocates while it runs, above what it returns). On CUDA,
+tensors: one run under torch.profiler with memory recording gives each op's
+workspace (the peak of what it allocates while it runs, above what it returns) and
+warms up, then `repeats` timed runs, the median kept per op. On CUDA,
 times come from CUDA events and workspace from the allocator's peak statistics.
 
 On a slow device the profile may be taken at a smaller batch than the one solved
