@@ -314,18 +314,27 @@ def test_a_signal_during_a_cbc_race_stops_every_process(sig, tmp_path):
     """CBC's searches race in forked processes: a signal to solve.py stops them all and
     writes nothing."""
     from monet_like.graph import capture
-    from monet_like.memory import fixed_bytes, store_all_peak
     from monet_like.models import parse_model
+    from monet_like.profile import profile
+    from monet_like.solver import DEFAULT_DEPTH, min_feasible_budget
+    from monet_like.solver.problem import build_problem
 
     model = "torchvision.models.resnet50()"  # over 4,000 binaries: CBC races two searches
-    graph = capture(parse_model(model).build("meta"), (3, 32, 32), 2)
-    fixed, peak = fixed_bytes(graph).total, store_all_peak(graph)
-    budget_gb = (fixed + 0.9 * (peak - fixed)) / 2**30
+    # A budget halfway between the smallest feasible one and store-all's peak, both with
+    # the profiled workspace (solve.py reads the profile cached here): below 64 px the
+    # weight reorders' 70 MiB outweigh the activations, and a budget from the
+    # activations alone was infeasible, so solve.py could exit before the race.
+    torch.manual_seed(0)
+    net = parse_model(model).build()
+    graph = capture(net, (3, 64, 64), 8)
+    problem = build_problem(graph, profile(net, graph, progress=False))
+    low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS")
+    budget_gb = (low + problem.store_all_peak_bytes) / 2 / 2**30
     out = tmp_path / "s.json"
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "solve.py"), model, "2", f"{budget_gb:.6f}", "normal",
-         "CBC", "--input_shape", "3,32,32", "--output", str(out), "--time_limit", "300"],
+        [sys.executable, str(ROOT / "solve.py"), model, "8", f"{budget_gb:.6f}", "normal",
+         "CBC", "--input_shape", "3,64,64", "--output", str(out), "--time_limit", "300"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     raced = False

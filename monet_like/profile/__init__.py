@@ -2,9 +2,9 @@
 
 Bytes come from the graph (exact, from shapes, at the full batch). Times and
 workspace are measured by running the captured joint graph op by op on real
-tensors: one run under torch.profiler with memory recording gives each op's
-workspace (the peak of what it allocates while it runs, above what it returns) and
-warms up, then `repeats` timed runs, the median kept per op. On CUDA,
+tensors: a warm-up run, then `repeats` timed runs, the median kept per op; one
+more run under torch.profiler with memory recording gives each op's workspace
+(the peak of what it allocates while it runs, above what it returns). On CUDA,
 times come from CUDA events and workspace from the allocator's peak statistics.
 
 On a slow device the profile may be taken at a smaller batch than the one solved
@@ -159,7 +159,7 @@ def profile(
     runner = _OpRunner(small, device)
     args_fn = _real_args(model, small, device, dtype)
     bar = tqdm(
-        total=repeats + 1 + scaled,
+        total=repeats + 2 + scaled,
         desc=f"profiling {graph.model} at batch {profile_batch} on {device_name(device)}",
         unit="run",
         disable=_bar_hidden(progress),
@@ -174,12 +174,13 @@ def profile(
 
     try:
         spread: list[float] = []
-        # Each batch's workspace run (under the profiler) is also its timed runs' warm-up.
+        # Timed runs first: the workspace run comes after a warm-up, so that the libraries'
+        # first-call allocations are not counted as an op's workspace.
+        times = _median_times(runner, args_fn, repeats, bar.update, spread)
+        stage_done(f"timed runs at batch {profile_batch}")
         workspace, method = workspace_at(small)
         stage_done(f"workspace at batch {profile_batch}")
         bar.update(1)
-        times = _median_times(runner, args_fn, repeats, bar.update, spread, warm_up=False)
-        stage_done(f"timed runs at batch {profile_batch}")
         time_fit = False
         if scaled:
             other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
@@ -205,7 +206,7 @@ def profile(
                 # A weight reorder does not grow with the batch: fit each op's a + b * batch.
                 other, _ = workspace_at(other_graph)
                 stage_done(f"workspace at batch {other_batch}")
-                other_times = timed_at_other(warm_up=False)
+                other_times = timed_at_other(warm_up=False)  # that run warmed up
                 workspace = _extrapolate(workspace, profile_batch, other, other_batch, graph.batch)
                 method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
                 if graph.fx is not None:

@@ -238,8 +238,10 @@ def _algorithm_options(
         calls = _site_calls(site, nodes, timed_at, device, gen)
         keys = [(d, a) for d, rows in calls.items() for a, _ in rows]
         flat = [c for rows in calls.values() for _, c in rows]
-        workspace = [_workspace_of(c, device) for c in flat]  # also the timing's warm-up
-        seconds = _fastest_interleaved(flat, device, max(repeats, 3), warm_up=False)
+        # timed (after a warm-up round) before the workspace: a first call's allocations
+        # are the library's set-up, not the call's workspace
+        seconds = _fastest_interleaved(flat, device, max(repeats, 3))
+        workspace = [_workspace_of(c, device) for c in flat]
         if timed_at != graph.batch and _conv_flops(weight_shape, out_shape, graph.batch) <= (
             ALGORITHM_WORKSPACE_FLOPS
         ):  # measured where it is used: workspace is not linear in the batch

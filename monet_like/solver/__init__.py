@@ -282,7 +282,7 @@ def solve(
             # fastest options): where that is no faster than a schedule in hand, the
             # graph's MILP (a third of a full-mode solve) is not needed.
             best_s = min(sol.predicted_time_s for _, sol in solved)
-            fastest = _fastest_step_s(build_problem(g, p, reference=ref))
+            fastest = _fastest_step_s(g, p, ref)
             if fastest >= best_s:
                 cannot_win[what] = fastest
                 if progress is not None:
@@ -336,9 +336,10 @@ def solve(
     return best
 
 
-def _fastest_step_s(problem) -> float:
-    """A lower bound on any schedule's predicted time on `problem`: the store-all step
+def _fastest_step_s(graph, profile, reference) -> float:
+    """A lower bound on any schedule's predicted time on `graph`: the store-all step
     with every choice at its fastest option (the objective counts time above it)."""
+    problem = build_problem(graph, profile, reference=reference)
     return problem.store_all_time_s - problem.choice_base_s
 
 
