@@ -90,16 +90,13 @@ def _bar_hidden(progress: bool | None) -> bool | None:
     return None if progress is None else not progress
 
 
-def _fastest_interleaved(
-    calls: list, device: torch.device, rounds: int, warm_up: bool = True
-) -> list[float]:
+def _fastest_interleaved(calls: list, device: torch.device, rounds: int) -> list[float]:
     """Seconds of each call: the least over `rounds` rounds that run every call once in
-    turn, after a warm-up round (`warm_up` False: the caller has just run each call).
-    Interleaved, so a busy spell of a shared machine falls on all of them alike; the
-    least, because noise only ever adds time."""
+    turn, after a warm-up round. Interleaved, so a busy spell of a shared machine falls
+    on all of them alike; the least, because noise only ever adds time."""
     cuda = device.type == "cuda"
     best = [float("inf")] * len(calls)
-    for r in range(0 if warm_up else 1, rounds + 1):
+    for r in range(rounds + 1):
         for i, call in enumerate(calls):
             if cuda:
                 torch.cuda.synchronize(device)
