@@ -208,7 +208,7 @@ def test_the_time_limit_is_shared_by_the_graphs_a_mode_solves(monkeypatch):
     mode's graph getting all but a fifth of it per graph after it."""
     limits = []
 
-    def timed_solve(graph, prof, budget, reference, **options):
+    def timed_solve(graph, prof, budget, reference, problem, **options):
         limits.append(options["time_limit"])
         time.sleep(0.3)
         return SimpleNamespace(predicted_time_s=float(len(limits)), extra={})
@@ -218,7 +218,8 @@ def test_the_time_limit_is_shared_by_the_graphs_a_mode_solves(monkeypatch):
     monkeypatch.setattr(solver_module, "_solve", timed_solve)
     monkeypatch.setattr(solver_module, "align_times", lambda prof, *graphs: prof)
     monkeypatch.setattr(solver_module, "candidate_graphs", lambda *args: three)
-    monkeypatch.setattr(solver_module, "_fastest_step_s", lambda *_graph: 0.0)  # each may win
+    monkeypatch.setattr(solver_module, "build_problem", lambda *_args, **_kw: None)
+    monkeypatch.setattr(solver_module, "_fastest_step_s", lambda _problem: 0.0)  # each may win
     best = solve(graph, None, 1, mode="inplace_normal", time_limit=100.0, baseline=(graph, None))
     assert best.predicted_time_s == 1.0
     assert limits[0] == pytest.approx(100.0 * (1 - 2 * solver_module.OTHER_GRAPH_SHARE), abs=0.1)

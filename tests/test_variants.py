@@ -489,23 +489,33 @@ def test_conv_algorithms_chosen_by_the_solver_replay_within_the_prediction(tmp_p
     assert report["max_abs_grad_diff_same_kernels"] == 0.0
 
 
-def test_the_full_mode_keeps_the_convolution_algorithms_alone_where_they_are_fastest(tmp_path):
-    """The full mode's solve weighs a third graph beside its own and the captured one:
-    the captured graph with only the convolution algorithms, profiled from the two
-    (`derived_profile`). Here the mode's own ops are made slow (in place, compact, from
-    the output: some of them fixed on) and im2col fast, so that graph's schedule is the
-    fastest: it is kept, `schedule_graph` gives its graph, and the replay is eager
-    PyTorch running the same kernels, bit for bit, within the predicted peak."""
+@pytest.fixture
+def conv_block_full():
+    """A small conv net, its captured graph, that graph in the full mode, and both
+    graphs' fresh profiles (per test: the tests edit the profiles' figures)."""
     from test_profile import _conv_block
-
-    from monet_like.solver import schedule_graph
 
     torch.manual_seed(0)
     model, shape, batch = _conv_block(), (3, 16, 16), 8
     captured = capture(model, shape, batch)
     graph = apply(captured, FULL)
     reference = profile(model, captured, repeats=1, use_cache=False, progress=False)
-    prof = profile(model, graph, repeats=1, use_cache=False, progress=False)
+    own = profile(model, graph, repeats=1, use_cache=False, progress=False)
+    return model, shape, batch, captured, graph, reference, own
+
+
+def test_the_full_mode_keeps_the_convolution_algorithms_alone_where_they_are_fastest(
+    tmp_path, conv_block_full
+):
+    """The full mode's solve weighs a third graph beside its own and the captured one:
+    the captured graph with only the convolution algorithms, profiled from the two
+    (`derived_profile`). Here the mode's own ops are made slow (in place, compact, from
+    the output: some of them fixed on) and im2col fast, so that graph's schedule is the
+    fastest: it is kept, `schedule_graph` gives its graph, and the replay is eager
+    PyTorch running the same kernels, bit for bit, within the predicted peak."""
+    from monet_like.solver import schedule_graph
+
+    model, shape, batch, captured, graph, reference, prof = conv_block_full
     theirs = {(o.name, str(o.target)) for o in captured.ops}
     own = [o.index for o in graph.ops if (o.name, str(o.target)) not in theirs]
     own = [i for i in own if not str(graph.ops[i].target).startswith("monet_like.conv2d")]
@@ -580,21 +590,14 @@ def test_batch_chunks_lower_the_smallest_budget_where_workspace_binds(tmp_path):
     _replays_like_eager_with_its_algorithms(model, graph, sol, path, shape, batch, exact_peak=False)
 
 
-def test_a_graph_whose_fastest_step_cannot_win_is_not_solved(monkeypatch):
+def test_a_graph_whose_fastest_step_cannot_win_is_not_solved(monkeypatch, conv_block_full):
     """The full mode weighs three graphs; one whose fastest possible step (store-all,
     every option at its fastest) is no faster than a schedule already found is skipped,
     said in a line and kept in the solution's `not_solved`, and the schedule returned is
     the one solving every graph gives."""
-    from test_profile import _conv_block
-
     from monet_like import solver as solver_module
 
-    torch.manual_seed(0)
-    model, shape, batch = _conv_block(), (3, 16, 16), 8
-    captured = capture(model, shape, batch)
-    graph = apply(captured, FULL)
-    reference = profile(model, captured, repeats=1, use_cache=False, progress=False)
-    own = profile(model, graph, repeats=1, use_cache=False, progress=False)
+    _model, _shape, _batch, captured, graph, reference, own = conv_block_full
     prof = align_times(own, graph, reference, captured)
     theirs = {(o.name, str(o.target)) for o in captured.ops}
     times = list(prof.op_times_s)
@@ -609,7 +612,7 @@ def test_a_graph_whose_fastest_step_cannot_win_is_not_solved(monkeypatch):
     for fastest in skipping.extra["not_solved"].values():
         assert fastest >= skipping.predicted_time_s
     assert any(line.startswith("not solving the captured graph") for line in lines)
-    monkeypatch.setattr(solver_module, "_fastest_step_s", lambda *_graph: float("-inf"))
+    monkeypatch.setattr(solver_module, "_fastest_step_s", lambda _problem: float("-inf"))
     every = solve(graph, prof, 2**30, mode=FULL, baseline=baseline)
     assert "not_solved" not in every.extra
     assert every.predicted_time_s == skipping.predicted_time_s

@@ -277,12 +277,14 @@ def solve(
     solved, infeasible, stopped = [], [], []
     cannot_win: dict[str, float] = {}  # graph -> its fastest step, no faster than one solved
     for k, (what, g, p, ref) in enumerate(attempts):
+        problem = None  # built by _solve, unless the bound below built it first
         if solved:
             # No schedule of a graph beats its fastest step (nothing recomputed, the
             # fastest options): where that is no faster than a schedule in hand, the
             # graph's MILP (a third of a full-mode solve) is not needed.
             best_s = min(sol.predicted_time_s for _, sol in solved)
-            fastest = _fastest_step_s(g, p, ref)
+            problem = build_problem(g, p, reference=ref)
+            fastest = _fastest_step_s(problem)
             if fastest >= best_s:
                 cannot_win[what] = fastest
                 if progress is not None:
@@ -300,7 +302,8 @@ def solve(
             share = left - later * OTHER_GRAPH_SHARE * time_limit if k == 0 else left / (later + 1)
             options["time_limit"] = max(1.0, share)
         try:
-            solved.append((what, _solve(g, p, budget_bytes, reference=ref, **options)))
+            found = _solve(g, p, budget_bytes, reference=ref, problem=problem, **options)
+            solved.append((what, found))
         except InfeasibleBudget as exc:
             infeasible.append((what, exc))
         except UserError as exc:  # its share of the time ended with no schedule
@@ -336,10 +339,9 @@ def solve(
     return best
 
 
-def _fastest_step_s(graph, profile, reference) -> float:
-    """A lower bound on any schedule's predicted time on `graph`: the store-all step
-    with every choice at its fastest option (the objective counts time above it)."""
-    problem = build_problem(graph, profile, reference=reference)
+def _fastest_step_s(problem: Problem) -> float:
+    """A lower bound on any schedule's predicted time on `problem`'s graph: the store-all
+    step with every choice at its fastest option (the objective counts time above it)."""
     return problem.store_all_time_s - problem.choice_base_s
 
 
@@ -467,6 +469,7 @@ def _solve(
     verbose: bool,
     progress: Callable[[str], None] | None,
     reference,
+    problem: Problem | None = None,
 ) -> Solution:
     solver = solver.upper()
     if solver not in SOLVERS:
@@ -478,7 +481,8 @@ def _solve(
     depth = None if formulation == "full" else (depth or DEFAULT_DEPTH)
 
     started = time.perf_counter()  # `time_limit` counts from here: cuts and start included
-    problem = build_problem(graph, profile, reference=reference)
+    if problem is None:
+        problem = build_problem(graph, profile, reference=reference)
     base = _solution_base(graph, profile, problem, mode, budget_bytes, solver, ablation)
     if budget_bytes >= problem.store_all_peak_bytes and not (problem.choices or problem.algorithms):
         # With variant sites or convolution algorithms to choose, store-all fits but the
