@@ -252,6 +252,31 @@ def test_ops_alike_are_measured_alone_once(monkeypatch):
     assert again == measured and runs == []  # a second graph in the same process
 
 
+def test_an_op_with_a_broadcast_input_is_measured_alone(monkeypatch):
+    """A gradient that reaches a convolution from a sum is broadcast (stride 0): the op is
+    run alone on an input laid out so, not refused by the random fill and left as fitted."""
+    from monet_like.profile import workspace as workspace_module
+
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3)
+
+        def forward(self, x):
+            return self.conv(x).sum(dim=(2, 3))
+
+    graph = capture(Pooled(), (3, 16, 16), 4)
+    backward = next(op for op in graph.ops if op.target == "aten.convolution_backward.default")
+    node = next(n for n in graph.fx.graph.nodes if n.name == backward.name)
+    assert 0 in node.args[0].meta["val"].stride()
+    monkeypatch.setattr(workspace_module, "OP_REMEASURE_BYTES", 0)
+    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
+    measured, _ = workspace_module._remeasure_alone(
+        graph, torch.device("cpu"), [0] * len(graph.ops)
+    )
+    assert backward.index in measured
+
+
 def test_conv_workspace_is_measured_on_cpu():
     """mkldnn convolution allocates scratch on CPU: the profiler must see it."""
     model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1))

@@ -11,7 +11,7 @@ import torch
 
 from monet_like.graph import Graph
 from monet_like.profile.timing import _bar_hidden, _fastest_interleaved
-from monet_like.profile.workspace import _extrapolate, _workspace_of
+from monet_like.profile.workspace import _extrapolate, _random_laid_out, _workspace_of
 
 
 def option(rows: list[list], algo: int) -> tuple[float, int]:
@@ -137,34 +137,6 @@ def _site_calls(site: dict, nodes: dict, rows: int, device: torch.device, gen) -
         if mask[0] and mask[1]:
             calls["both"] = [(-1, partial(backward, [True, True, False], -1, -1))]
     return calls
-
-
-def _random_laid_out(
-    meta: torch.Tensor, rows: int | None, gen: torch.Generator, device: torch.device
-) -> torch.Tensor:
-    """Random values of `meta`'s shape (its first dimension `rows` long, if given) laid out
-    in memory as the graph's value is: a kernel copies an input that is not contiguous, and
-    that copy is part of the workspace measured. The strides are the graph's: its dimension
-    order (a channels-last input takes other algorithms), the gaps of a slice of a larger
-    tensor (ViT's patch-embedding gradient, a view of the token sequence, which the im2col
-    backward copies: 48 KiB above the prediction where a dense one had been measured),
-    and stride 0 where the value is broadcast (the gradient of a sum reaching a network's
-    last convolution, copied whole in each part of the im2col backward)."""
-    shape = list(meta.shape) if rows is None else [rows, *meta.shape[1:]]
-    stride = list(meta.stride())
-    if rows is not None and rows > meta.shape[0] and meta.dim() > 1:
-        # more rows than the graph's strides were laid out for: the same dimension order,
-        # without gaps (overlapping memory otherwise)
-        order = sorted(range(meta.dim()), key=lambda d: stride[d])
-        step = 1
-        for d in order:
-            stride[d] = 0 if meta.stride(d) == 0 else step
-            step *= shape[d] if meta.stride(d) else 1
-    expanded = [d for d in range(meta.dim()) if stride[d] == 0 and shape[d] > 1]
-    stored = [1 if d in expanded else n for d, n in enumerate(shape)]
-    value = torch.empty_strided(stored, stride, dtype=meta.dtype, device=device)
-    value.copy_(torch.randn(stored, generator=gen, dtype=meta.dtype))
-    return value.expand(shape) if expanded else value
 
 
 def _fit_chunked(

@@ -88,16 +88,40 @@ def _node_inputs(node) -> list:
     return values
 
 
+def _random_laid_out(
+    meta: torch.Tensor, rows: int | None, gen: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """Random values of `meta`'s shape (its first dimension `rows` long, if given) laid out
+    in memory as the graph's value is: a kernel copies an input that is not contiguous, and
+    that copy is part of the workspace measured. The strides are the graph's: its dimension
+    order (a channels-last input takes other algorithms), the gaps of a slice of a larger
+    tensor (ViT's patch-embedding gradient, a view of the token sequence, which the im2col
+    backward copies: 48 KiB above the prediction where a dense one had been measured),
+    and stride 0 where the value is broadcast (the gradient of a sum reaching a network's
+    last convolution, copied whole in each part of the im2col backward)."""
+    shape = list(meta.shape) if rows is None else [rows, *meta.shape[1:]]
+    stride = list(meta.stride())
+    if rows is not None and rows > meta.shape[0] and meta.dim() > 1:
+        # more rows than the graph's strides were laid out for: the same dimension order,
+        # without gaps (overlapping memory otherwise)
+        order = sorted(range(meta.dim()), key=lambda d: stride[d])
+        step = 1
+        for d in order:
+            stride[d] = 0 if meta.stride(d) == 0 else step
+            step *= shape[d] if meta.stride(d) else 1
+    expanded = [d for d in range(meta.dim()) if stride[d] == 0 and shape[d] > 1]
+    stored = [1 if d in expanded else n for d, n in enumerate(shape)]
+    value = torch.empty_strided(stored, stride, dtype=meta.dtype, device=device)
+    value.copy_(torch.randn(stored, generator=gen, dtype=meta.dtype))
+    return value.expand(shape) if expanded else value
+
+
 def _workspace_alone(node, device: torch.device, gen: torch.Generator) -> int:
     """Workspace of `node`'s op run once by itself on random inputs of its shapes."""
     from torch.fx.node import Node, map_aggregate
 
-    def real(a):
-        if not isinstance(a, Node):
-            return a
-        v = a.meta["val"]
-        t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
-        return t.normal_(generator=gen)
+    def real(a):  # laid out as in the graph, broadcast (stride 0) values included
+        return _random_laid_out(a.meta["val"], None, gen, device) if isinstance(a, Node) else a
 
     args, kwargs = map_aggregate((node.args, node.kwargs), real)
     return _workspace_of(lambda: node.target(*args, **kwargs), device)
