@@ -252,6 +252,41 @@ def test_ops_alike_are_measured_alone_once(monkeypatch):
     assert again == measured and runs == []  # a second graph in the same process
 
 
+def test_a_convolution_at_pytorchs_algorithm_is_measured_alone_once_for_both_graphs(
+    monkeypatch,
+):
+    """The conv mode's rewritten convolution, left at PyTorch's algorithm, runs the aten
+    convolution the captured graph runs: measured alone for one graph, it is not run
+    again for the other."""
+    from monet_like.profile import workspace as workspace_module
+    from monet_like.variants import apply
+
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    captured = capture(model, (4, 16, 16), 4)
+    graph = apply(captured, "conv")
+    monkeypatch.setattr(workspace_module, "OP_REMEASURE_BYTES", 0)
+    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
+    first, _ = workspace_module._remeasure_alone(
+        captured, torch.device("cpu"), [0] * len(captured.ops)
+    )
+    runs = []
+    real_alone = workspace_module._workspace_alone
+
+    def counted(node, device, gen):
+        runs.append(str(node.target))
+        return real_alone(node, device, gen)
+
+    monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
+    second, _ = workspace_module._remeasure_alone(graph, torch.device("cpu"), [0] * len(graph.ops))
+    rewritten = {op.index for op in graph.ops if op.target.startswith("monet_like.conv2d")}
+    assert len(rewritten) == 4 and rewritten <= set(second)
+    # Not run again: both forwards, and the bias-free layer's backward; the second layer's
+    # backward computes its bias gradient apart once rewritten, so it is measured itself.
+    assert runs == ["monet_like.conv2d_backward_algo.default"]
+    captured_convs = [op.index for op in captured.ops if "convolution" in op.target]
+    assert set(captured_convs) <= set(first)
+
+
 def test_an_op_with_a_broadcast_input_is_measured_alone(monkeypatch):
     """A gradient that reaches a convolution from a sum is broadcast (stride 0): the op is
     run alone on an input laid out so, not refused by the random fill and left as fitted."""

@@ -148,8 +148,35 @@ def _op_signature(node, device: torch.device) -> tuple:
             return torch.utils._pytree.tree_map(laid_out, a.meta.get("val"))
         return repr(a)
 
-    args = map_aggregate((node.args, node.kwargs), described)
-    return (str(node.target), repr(args), str(device), torch.__version__)
+    target, args = _same_call(node)
+    args = map_aggregate((args, node.kwargs), described)
+    return (target, repr(args), str(device), torch.__version__)
+
+
+def _same_call(node) -> tuple[str, tuple]:
+    """`node`'s target and arguments, with a convolution that the conv mode rewrote and
+    left at PyTorch's algorithm (-1) spelled as the aten op it calls, so that the captured
+    graph and the variants' graph share the measurement (the backward only without a bias
+    gradient: the rewritten op computes that one apart)."""
+    target, args = str(node.target), tuple(node.args)
+
+    def plain(*values):
+        return tuple(list(v) if isinstance(v, (list, tuple)) else v for v in values)
+
+    if target == "aten.convolution.default" and len(args) == 9:
+        x, w, b, stride, padding, dilation, transposed, output_padding, groups = args
+        if not transposed and not any(output_padding):
+            return "conv2d", plain(x, w, b, stride, padding, dilation, groups)
+    if target == "monet_like.conv2d_algo.default" and args[-1] == -1:
+        return "conv2d", plain(*args[:-1])
+    if target == "aten.convolution_backward.default" and len(args) == 11:
+        grad, x, w, _, stride, padding, dilation, transposed, output_padding, groups, mask = args
+        if not transposed and not any(output_padding) and not mask[2]:
+            return "conv2d_backward", plain(grad, x, w, stride, padding, dilation, groups, mask)
+    if target == "monet_like.conv2d_backward_algo.default" and tuple(args[-2:]) == (-1, -1):
+        if not args[7][2]:
+            return "conv2d_backward", plain(*args[:-2])
+    return target, args
 
 
 def _remeasure_alone(
