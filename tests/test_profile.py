@@ -312,6 +312,19 @@ def test_an_op_with_a_broadcast_input_is_measured_alone(monkeypatch):
     assert backward.index in measured
 
 
+def test_a_profile_without_a_terminal_says_each_stage_as_it_ends(capsys):
+    """Bars are hidden where no terminal shows them: a log gets a line per stage."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    graph = capture(model, (3, 8, 8), 8)
+    prof = profile(model, graph, repeats=1, use_cache=False, progress=None)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "profiling" in line]
+    assert len(lines) == len(prof.stage_seconds) >= 2
+    for line, name in zip(lines, prof.stage_seconds, strict=True):
+        assert f": {name}, " in line
+    quiet = profile(model, graph, repeats=1, use_cache=False, progress=False)
+    assert quiet.stage_seconds and "profiling" not in capsys.readouterr().out
+
+
 def test_conv_workspace_is_measured_on_cpu():
     """mkldnn convolution allocates scratch on CPU: the profiler must see it."""
     model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1))

@@ -24,6 +24,7 @@ dtype, device and torch version.
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from pathlib import Path
 
@@ -124,7 +125,8 @@ def profile(
     """Measure per-node times and workspace of `graph` (captured from `model`).
 
     `model` must hold real parameters (not "meta"). `profile_batch` defaults to the
-    graph's batch on CUDA and to min(batch, 4) on CPU.
+    graph's batch on CUDA and to min(batch, 4) on CPU. `progress`: True shows progress
+    bars, False nothing, None bars on a terminal and otherwise a line per stage.
     """
     device = torch.device(device or graph.device)
     dtype = getattr(torch, graph.dtype)
@@ -167,10 +169,16 @@ def profile(
     stage_seconds: dict[str, float] = {}
     stage_started = [time.perf_counter()]
 
+    # Without a terminal the bars are hidden: a line per stage as it ends keeps a log
+    # telling where a long profile is and where its time went.
+    stage_lines = progress is None and not sys.stderr.isatty()
+
     def stage_done(name: str) -> None:
         now = time.perf_counter()
         stage_seconds[name] = now - stage_started[0]
         stage_started[0] = now
+        if stage_lines:
+            print(f"  profiling {graph.model}: {name}, {stage_seconds[name]:.1f} s", flush=True)
 
     try:
         spread: list[float] = []
