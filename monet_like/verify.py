@@ -164,18 +164,18 @@ def float64_error_ratio(
 ) -> float | None:
     """The same step of `model` (as it was before either step) in float64, against which each
     output, gradient and buffer of the replay is compared with eager's float32 one: the
-    largest ratio of the replay's error to eager's. Each error has a floor of one float32
-    ulp of the tensor's float64 magnitude. None under autocast (no float64 step to compare
-    with) or where the model does not run in float64."""
-    if sol.autocast is not None:
-        return None
+    largest ratio of the replay's error to eager's. Each error has a floor of one ulp of
+    the tensor's float64 magnitude in the step's precision (float32, or the autocast
+    dtype: the float64 step runs without autocast, the exact value both round). None
+    where the model does not run in float64."""
     try:
         truth = copy.deepcopy(model).double()
         inputs = x.double() if x.is_floating_point() else x
         truth_step = training_step(truth, truth, inputs, sol.input_grad)
     except (RuntimeError, TypeError, NotImplementedError):
         return None
-    ulp = float(torch.finfo(torch.float32).eps)
+    precision = torch.float32 if sol.autocast is None else getattr(torch, sol.autocast)
+    ulp = float(torch.finfo(precision).eps)
     ratio = 0.0
     for t, e, r in zip(
         _step_tensors(truth, truth_step),

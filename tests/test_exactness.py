@@ -395,6 +395,39 @@ def test_rounding_is_told_from_a_wrong_step_by_a_float64_step():
     assert float64_error_ratio(model, x, sol, eager, eager_step, wrong, wrong_step) > 100
 
 
+def test_under_autocast_rounding_is_told_from_a_wrong_step_by_a_float64_step():
+    """Under bfloat16 autocast the float64 step (without autocast) is the exact value both
+    steps round: a replay running other kernels is as far from it as eager (a BatchNorm
+    from its output under bfloat16 changed a bias gradient that is zero in exact
+    arithmetic by 21% of its noise), a step that updates its statistics otherwise is not."""
+    from types import SimpleNamespace
+
+    from monet_like.variants import apply
+    from monet_like.verify import ROUNDING_RATIO, compare_steps, float64_error_ratio, training_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Conv2d(16, 16, 1),
+        nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 8 * 8, 10),
+    )  # fmt: skip
+    x = torch.randn(8, 3, 8, 8)
+    graph = apply(capture(model, (3, 8, 8), 8, autocast=torch.bfloat16), ("conv",))
+    chunked = {site["id"]: [-2, -2, -2] for site in graph.sites if site.get("algorithm")}
+    sol = SimpleNamespace(autocast="bfloat16", input_grad=False)
+    eager = copy.deepcopy(model)
+    eager_step = training_step(eager, eager, x, autocast="bfloat16")
+    other = eager_with_algorithms(model, graph, chunked)
+    other_step = training_step(other, other, x, autocast="bfloat16")
+    assert not compare_steps(eager, eager_step, other, other_step).bitwise
+    assert float64_error_ratio(model, x, sol, eager, eager_step, other, other_step) <= (
+        ROUNDING_RATIO
+    )
+    wrong = copy.deepcopy(model)
+    wrong[1].momentum = 0.2
+    wrong_step = training_step(wrong, wrong, x, autocast="bfloat16")
+    assert float64_error_ratio(model, x, sol, eager, eager_step, wrong, wrong_step) > 100
+
+
 class ZeroInitResidual(nn.Module):
     """A residual block whose branch ends in a BatchNorm with gamma zero-initialised."""
 
