@@ -308,6 +308,15 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _state(pid: int) -> str:
+    """A process's state letter and name (/proc), or 'gone'."""
+    try:
+        name, rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
+    except OSError:
+        return "gone"
+    return f"{rest.split()[0]} {name.split('(', 1)[1]}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_a_cbc_race_stops_every_process(sig, tmp_path):
@@ -349,7 +358,15 @@ def test_a_signal_during_a_cbc_race_stops_every_process(sig, tmp_path):
     kids = _children(proc.pid)
     time.sleep(2)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # say where it hangs: solve.py dumps its stack on USR1
+        states = {k: _state(k) for k in _children(proc.pid)}
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"solve.py still running 120 s after the signal; children {states}\n{err}")
     assert proc.returncode in (130, 143), err
     assert "nothing written" in err and not out.exists()
     time.sleep(1)

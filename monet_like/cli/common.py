@@ -4,6 +4,7 @@ file names, and `_run`, which turns errors into one line and an exit code."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
 import signal
@@ -167,6 +168,8 @@ def _run(prog: str, args, command) -> int:
     from monet_like.solver import InfeasibleBudget
 
     previous = signal.signal(signal.SIGTERM, _terminate)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints where a long run is, and goes on
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         report = command(args)
     except InfeasibleBudget as exc:
