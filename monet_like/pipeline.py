@@ -23,8 +23,6 @@ from torch import nn
 from monet_like.errors import UserError
 from monet_like.units import GIB
 
-NOISY_SPREAD = 0.10  # a profile whose timed runs differ more than this is said to be noisy
-
 
 def describe_sites(graph) -> str:
     """The variants rewritten into `graph`, counted, e.g. 'relu_mask x17 (the solver's
@@ -172,15 +170,13 @@ def compile_schedule(
     spread = getattr(prof, "time_spread", None)
     if spread is not None:
         sol.extra["profile_time_spread"] = spread
-        if spread > NOISY_SPREAD and progress is not None:
-            from monet_like.profile import cache_path
-
-            where = cache_path(graph, prof.profile_batch, torch.device(device))
-            progress(
-                f"  the profile's timed runs of the whole step differ by {spread:.0%} (a busy"
-                " machine?): predicted times are no surer than that; to profile again when"
-                f" the machine is quiet, remove {where}"
-            )
+    if getattr(prof, "load_per_core", None) is not None:
+        sol.extra["profile_load_per_core"] = prof.load_per_core
+    if getattr(prof, "noisy", "") and progress is not None:
+        progress(
+            f"  the profile is unsure: {prof.noisy}; predicted times are no surer than that"
+            " (one taken with the machine busy is taken again by a solve when it is quiet)"
+        )
     if sol.predicted_peak_bytes > sol.budget_bytes:  # the MILP promised otherwise: a bug
         raise RuntimeError(
             f"the schedule's simulated peak {sol.predicted_peak_bytes / GIB:.4f} GB exceeds "

@@ -89,13 +89,40 @@ def test_profile_keeps_the_noise_it_was_measured_with(monkeypatch):
     assert Profile.from_json(json.dumps(older)).time_spread is None
     assert profile(model, graph, repeats=1, progress=False, use_cache=False).time_spread is None
 
-    monkeypatch.setattr(pipeline, "NOISY_SPREAD", -1.0)  # every profile counts as noisy
+    monkeypatch.setattr("monet_like.profile.types.NOISY_SPREAD", -1.0)  # every one is noisy
     lines = []
     compiled = pipeline.compile_schedule(
         model, (3, 16, 16), 8, budget_fraction=1.0, progress=lines.append
     )
     assert compiled.solution.extra["profile_time_spread"] == compiled.profile.time_spread
     assert any("timed runs of the whole step differ" in line for line in lines)
+
+
+def test_an_unsure_cached_profile_is_taken_again_when_the_machine_is_quiet(
+    monkeypatch, tmp_path, capsys
+):
+    """A profile taken with the machine busy is cached (a busy machine stays usable) and
+    says why it is unsure; a later profile call finds it and, the machine quiet now, takes
+    it again; while the machine is busy, the cached one is used."""
+    from monet_like import profile as profile_module
+    from monet_like.profile import types
+
+    monkeypatch.setenv("MONET_LIKE_CACHE", str(tmp_path))
+    load = [3.0]  # runnable threads per core
+    monkeypatch.setattr(profile_module, "load_per_core", lambda: load[0])
+    torch.manual_seed(0)
+    model = Tiny()
+    graph = capture(model, (3, 16, 16), 8)
+    busy = profile(model, graph, repeats=1, progress=False)
+    assert busy.load_per_core == 3.0 and "busy" in busy.noisy
+    again = profile(model, graph, repeats=1, progress=False)
+    assert again.cached  # still busy: the cached profile stands
+    load[0] = 0.5
+    quiet = profile(model, graph, repeats=1)
+    assert not quiet.cached and quiet.load_per_core == 0.5 and not quiet.noisy
+    assert "profiling again" in capsys.readouterr().out
+    assert profile(model, graph, repeats=1, progress=False).cached  # and it replaced it
+    assert types.BUSY_LOAD_PER_CORE > profile_module.QUIET_LOAD_PER_CORE
 
 
 def test_profile_records_where_its_time_went():

@@ -44,11 +44,13 @@ from monet_like.profile.algorithms import (
 from monet_like.profile.align import _with_op_times, align_times, derived_profile
 from monet_like.profile.timing import _bar_hidden, _median_times, _OpRunner
 from monet_like.profile.types import (
+    BUSY_LOAD_PER_CORE,
     PROFILE_FORMAT,
     NodeProfile,
     Profile,
     _node_profiles,
     device_name,
+    load_per_core,
 )
 from monet_like.profile.workspace import (
     _extrapolate,
@@ -139,8 +141,16 @@ def profile(
 
     path = cache_path(graph, profile_batch, device)
     if use_cache and (cached := _cached(path)) is not None:
-        return cached
+        if not _take_again(cached, path):
+            return cached
+        if progress is not False:
+            print(
+                f"  the cached profile is unsure ({cached.noisy}) and the machine is quiet now:"
+                " profiling again",
+                flush=True,
+            )
     started = time.perf_counter()
+    load_at_start = load_per_core()
 
     def graph_at(batch: int) -> Graph:
         return _graph_at(model, graph, batch, device)
@@ -278,11 +288,33 @@ def profile(
         algorithms=algorithms,
         time_spread=spread[0] if spread and repeats > 1 else None,
         stage_seconds=stage_seconds,
+        load_per_core=_larger(load_at_start, load_per_core()),
     )
     result = _with_op_times(result, graph, op_times)
     if use_cache:  # a unique temporary file renamed over it: never half a profile
         atomic_write(path, result.to_json())
     return result
+
+
+# The load per core (`load_per_core`) under which the machine counts as quiet: below our
+# own step alone. The 1-minute average takes 40 s or more to fall from BUSY_LOAD_PER_CORE
+# to it, so a profile taken busy is not taken again by a solve that follows at once.
+QUIET_LOAD_PER_CORE = 0.75
+
+
+def _take_again(cached: Profile, path: Path) -> bool:
+    """Whether a cached profile is to be taken again now: one of this machine's cache (not
+    the zoo's shipped ones) taken with the machine busy, while it is quiet. (A spread of
+    the timed runs alone may be the model's own: that profile is kept, and said.)"""
+    busy = cached.load_per_core is not None and cached.load_per_core > BUSY_LOAD_PER_CORE
+    if not busy or not path.exists():
+        return False
+    load = load_per_core()
+    return load is not None and load <= QUIET_LOAD_PER_CORE
+
+
+def _larger(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
 
 
 def _cached(path: Path) -> Profile | None:

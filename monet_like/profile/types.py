@@ -14,6 +14,23 @@ from monet_like.profile.algorithms import algorithm_workspace
 # 15: convolution algorithms measured on inputs laid out as in the graph (gaps included)
 PROFILE_FORMAT = 15
 
+NOISY_SPREAD = 0.10  # a profile whose timed runs differ more than this is noisy
+# Other work on the machine: runnable threads per core (the 1-minute load average) above
+# this while profiling. Our own step keeps about one per core busy; a second job as large
+# doubles it. Steady load can slow every op alike (a small spread) and still change their
+# ratios: ResNet-50's step profiled 4.4 times slower beside two other jobs, with 13% spread,
+# and im2col against oneDNN came out faster than it runs on a quiet machine.
+BUSY_LOAD_PER_CORE = 1.5
+
+
+def load_per_core() -> float | None:
+    """The 1-minute load average per core this process may use (None: not known)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+        return os.getloadavg()[0] / max(cores, 1)
+    except (AttributeError, OSError):
+        return None
+
 
 @dataclass(frozen=True)
 class NodeProfile:
@@ -59,7 +76,23 @@ class Profile:
     time_spread: float | None = None
     # seconds each stage of profiling took, in order (what a cold solve's time went to)
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    # the machine's load while profiling (`load_per_core`, the larger at start and end)
+    load_per_core: float | None = None
     cached: bool = field(default=False, compare=False)
+
+    @property
+    def noisy(self) -> str:
+        """Why its times are unsure ('' where they are not): timed runs that differ by
+        more than NOISY_SPREAD, or other work on the machine while it was taken."""
+        reasons = []
+        if self.time_spread is not None and self.time_spread > NOISY_SPREAD:
+            reasons.append(f"its timed runs of the whole step differ by {self.time_spread:.0%}")
+        if self.load_per_core is not None and self.load_per_core > BUSY_LOAD_PER_CORE:
+            reasons.append(
+                f"it was taken with the machine busy ({self.load_per_core:.1f} runnable threads"
+                " per core)"
+            )
+        return "; ".join(reasons)
 
     def workspace_by_op(
         self, graph: Graph | None = None, algorithms: dict[str, list[int]] | None = None
