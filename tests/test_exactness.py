@@ -356,6 +356,17 @@ def test_full_mode_under_autocast_keeps_float32_batch_norms_out_of_place(tmp_pat
     assert measured_peak(wrapped, x) <= wrapped.solution.predicted_peak_bytes
 
 
+def _bias_before_batch_norm() -> tuple[nn.Module, torch.Tensor]:
+    """A net with a BatchNorm's bias feeding another BatchNorm (through a convolution),
+    whose gradient is zero in exact arithmetic, and an input for it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Conv2d(16, 16, 1),
+        nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 8 * 8, 10),
+    )  # fmt: skip
+    return model, torch.randn(8, 3, 8, 8)
+
+
 def test_rounding_is_told_from_a_wrong_step_by_a_float64_step():
     """A BatchNorm's bias before another BatchNorm has a gradient of zero in exact arithmetic:
     in float32 it is rounding noise, which other convolution algorithms change by ~100%
@@ -372,12 +383,7 @@ def test_rounding_is_told_from_a_wrong_step_by_a_float64_step():
         training_step,
     )
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Conv2d(16, 16, 1),
-        nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 8 * 8, 10),
-    )  # fmt: skip
-    x = torch.randn(8, 3, 8, 8)
+    model, x = _bias_before_batch_norm()
     graph = apply(capture(model, (3, 8, 8), 8), ("conv",))
     im2col = {site["id"]: [0, 0, 0] for site in graph.sites if site.get("algorithm")}
     sol = SimpleNamespace(autocast=None, input_grad=False)
@@ -405,12 +411,7 @@ def test_under_autocast_rounding_is_told_from_a_wrong_step_by_a_float64_step():
     from monet_like.variants import apply
     from monet_like.verify import ROUNDING_RATIO, compare_steps, float64_error_ratio, training_step
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Conv2d(16, 16, 1),
-        nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 8 * 8, 10),
-    )  # fmt: skip
-    x = torch.randn(8, 3, 8, 8)
+    model, x = _bias_before_batch_norm()
     graph = apply(capture(model, (3, 8, 8), 8, autocast=torch.bfloat16), ("conv",))
     chunked = {site["id"]: [-2, -2, -2] for site in graph.sites if site.get("algorithm")}
     sol = SimpleNamespace(autocast="bfloat16", input_grad=False)
