@@ -140,27 +140,13 @@ def profile(
         raise UserError("the profiler needs a model with real parameters, not one on 'meta'")
 
     path = cache_path(graph, profile_batch, device)
-    if use_cache and (cached := _cached(path)) is not None:
-        if not _take_again(cached, path):
-            return cached
-        if progress is not False:
-            print(
-                f"  the cached profile is unsure ({cached.noisy}) and the machine is quiet now:"
-                " profiling again",
-                flush=True,
-            )
+    if use_cache and (cached := _cached_to_use(path, progress)) is not None:
+        return cached
     started = time.perf_counter()
     load_at_start = load_per_core()
 
     def graph_at(batch: int) -> Graph:
         return _graph_at(model, graph, batch, device)
-
-    def workspace_at(g: Graph) -> tuple[list[int], str]:
-        runner = _OpRunner(g, device)
-        args = _real_args(model, g, device, dtype)()
-        if device.type == "cuda":
-            return _workspace_cuda(runner, args)
-        return _workspace_cpu(runner, args)
 
     from tqdm import tqdm
 
@@ -176,19 +162,8 @@ def profile(
         unit="run",
         disable=_bar_hidden(progress),
     )
-    stage_seconds: dict[str, float] = {}
-    stage_started = [time.perf_counter()]
-
-    # Without a terminal the bars are hidden: a line per stage as it ends keeps a log
-    # telling where a long profile is and where its time went.
-    stage_lines = progress is None and not sys.stderr.isatty()
-
-    def stage_done(name: str) -> None:
-        now = time.perf_counter()
-        stage_seconds[name] = now - stage_started[0]
-        stage_started[0] = now
-        if stage_lines:
-            print(f"  profiling {graph.model}: {name}, {stage_seconds[name]:.1f} s", flush=True)
+    stages = _Stages(graph.model, progress)
+    stage_done = stages.done
 
     try:
         spread: list[float] = []
@@ -196,7 +171,7 @@ def profile(
         # first-call allocations are not counted as an op's workspace.
         times = _median_times(runner, args_fn, repeats, bar.update, spread)
         stage_done(f"timed runs at batch {profile_batch}")
-        workspace, method = workspace_at(small)
+        workspace, method = _workspace_at(model, small, device, dtype)
         stage_done(f"workspace at batch {profile_batch}")
         bar.update(1)
         time_fit = False
@@ -216,13 +191,13 @@ def profile(
                 # Workspace is not linear in the batch (a library picks its blocking by
                 # shape): ResNet-50 at 224 px, batch 16, fitted from batches 4 and 8,
                 # came out 0.34 MiB under the measured peak. Measure it where it is used.
-                workspace, method = workspace_at(graph)
+                workspace, method = _workspace_at(model, graph, device, dtype)
                 method += f", at batch {graph.batch}"
                 at_batch = every_op
                 stage_done(f"workspace at batch {graph.batch}")
             elif other_graph is not None:
                 # A weight reorder does not grow with the batch: fit each op's a + b * batch.
-                other, _ = workspace_at(other_graph)
+                other, _ = _workspace_at(model, other_graph, device, dtype)
                 stage_done(f"workspace at batch {other_batch}")
                 other_times = timed_at_other(warm_up=False)  # that run warmed up
                 workspace = _extrapolate(workspace, profile_batch, other, other_batch, graph.batch)
@@ -258,15 +233,9 @@ def profile(
 
     algorithms: dict = {}
     if graph.fx is not None and algorithm_sites(graph):
-        with torch.no_grad():
-            algorithms = _algorithm_options(graph, device, profile_batch, repeats, progress)
+        algorithms = _algorithm_figures(graph, device, profile_batch, repeats, progress)
         stage_done("convolution algorithms")
-        # One figure per convolution op, so that the store-all prediction and the solver's
-        # options agree: the step's where it was measured at the solved batch (the
-        # options' own may be fitted from small batches), else the options'.
-        _aten_options_take(graph, algorithms, workspace, at_batch)
-        for i, w in algorithm_workspace(graph, algorithms, {}).items():
-            workspace[i] = w
+        _one_workspace_figure(graph, algorithms, workspace, at_batch)
     op_times = [t * scale for t in times]
     nodes = _node_profiles(graph, workspace)  # times: from op_times, by _with_op_times
     result = Profile(
@@ -287,13 +256,68 @@ def profile(
         profile_seconds=time.perf_counter() - started,
         algorithms=algorithms,
         time_spread=spread[0] if spread and repeats > 1 else None,
-        stage_seconds=stage_seconds,
+        stage_seconds=stages.seconds,
         load_per_core=_larger(load_at_start, load_per_core()),
     )
     result = _with_op_times(result, graph, op_times)
     if use_cache:  # a unique temporary file renamed over it: never half a profile
         atomic_write(path, result.to_json())
     return result
+
+
+class _Stages:
+    """Each profiling stage's seconds, in order. Without a terminal the bars are hidden:
+    a line per stage as it ends keeps a log telling where a long profile is."""
+
+    def __init__(self, model: str, progress: bool | None) -> None:
+        self.model = model
+        self.seconds: dict[str, float] = {}
+        self.started = time.perf_counter()
+        self.lines = progress is None and not sys.stderr.isatty()
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name], self.started = now - self.started, now
+        if self.lines:
+            print(f"  profiling {self.model}: {name}, {self.seconds[name]:.1f} s", flush=True)
+
+
+def _workspace_at(model: nn.Module, g: Graph, device: torch.device, dtype) -> tuple[list[int], str]:
+    """Each op's workspace in one run of `g` on real tensors, and how it was measured."""
+    runner = _OpRunner(g, device)
+    args = _real_args(model, g, device, dtype)()
+    if device.type == "cuda":
+        return _workspace_cuda(runner, args)
+    return _workspace_cpu(runner, args)
+
+
+def _algorithm_figures(graph: Graph, device, profile_batch: int, repeats: int, progress) -> dict:
+    with torch.no_grad():
+        return _algorithm_options(graph, device, profile_batch, repeats, progress)
+
+
+def _one_workspace_figure(graph: Graph, algorithms: dict, workspace: list[int], at_batch) -> None:
+    """One figure per convolution op, so that the store-all prediction and the solver's
+    options agree: the step's where it was measured at the solved batch (the options' own
+    may be fitted from small batches), else the options'. `workspace` is set in place."""
+    _aten_options_take(graph, algorithms, workspace, at_batch)
+    for i, w in algorithm_workspace(graph, algorithms, {}).items():
+        workspace[i] = w
+
+
+def _cached_to_use(path: Path, progress: bool | None) -> Profile | None:
+    """The cached profile at `path` (or the zoo's of that name), unless it is to be taken
+    again (`_take_again`, said unless `progress` is False)."""
+    cached = _cached(path)
+    if cached is None or not _take_again(cached, path):
+        return cached
+    if progress is not False:
+        print(
+            f"  the cached profile is unsure ({cached.noisy}) and the machine is quiet now:"
+            " profiling again",
+            flush=True,
+        )
+    return None
 
 
 # The load per core (`load_per_core`) under which the machine counts as quiet: below our

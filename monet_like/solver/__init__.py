@@ -454,6 +454,19 @@ def _cuts_line(stats: dict) -> str:
     )
 
 
+def _checked_options(solver: str, formulation: str, budget_bytes: int) -> str:
+    """The solver's name as SOLVERS spells it; a UserError for an unknown solver or
+    formulation, or a budget that is not positive."""
+    solver = solver.upper()
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")
+    if formulation not in ("compact", "full"):
+        raise UserError(f"unknown formulation {formulation!r}: compact or full")
+    if budget_bytes <= 0:
+        raise UserError("the budget must be positive")
+    return solver
+
+
 def _solve(
     graph,
     profile,
@@ -471,13 +484,7 @@ def _solve(
     reference,
     problem: Problem | None = None,
 ) -> Solution:
-    solver = solver.upper()
-    if solver not in SOLVERS:
-        raise UserError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")
-    if formulation not in ("compact", "full"):
-        raise UserError(f"unknown formulation {formulation!r}: compact or full")
-    if budget_bytes <= 0:
-        raise UserError("the budget must be positive")
+    solver = _checked_options(solver, formulation, budget_bytes)
     depth = None if formulation == "full" else (depth or DEFAULT_DEPTH)
 
     started = time.perf_counter()  # `time_limit` counts from here: cuts and start included
