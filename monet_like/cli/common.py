@@ -169,7 +169,10 @@ def _run(prog: str, args, command) -> int:
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints where a long run is, and goes on
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (AttributeError, ValueError, OSError):  # stderr has no file descriptor
+            pass
     try:
         report = command(args)
     except InfeasibleBudget as exc:
