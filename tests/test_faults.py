@@ -32,6 +32,11 @@ def no_work(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("work started before the arguments were checked")
 
+    # Modules that bind `capture` when imported are imported first: one imported while the
+    # patch is on would keep `refuse` for every later test in this process.
+    import monet_like.profile  # noqa: F401
+    import monet_like.wrapper  # noqa: F401
+
     monkeypatch.setattr("monet_like.graph.capture", refuse)
 
 
