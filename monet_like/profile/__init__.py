@@ -163,16 +163,15 @@ def profile(
         disable=_bar_hidden(progress),
     )
     stages = _Stages(graph.model, progress)
-    stage_done = stages.done
 
     try:
         spread: list[float] = []
         # Timed runs first: the workspace run comes after a warm-up, so that the libraries'
         # first-call allocations are not counted as an op's workspace.
         times = _median_times(runner, args_fn, repeats, bar.update, spread)
-        stage_done(f"timed runs at batch {profile_batch}")
+        stages.done(f"timed runs at batch {profile_batch}")
         workspace, method = _workspace_at(model, small, device, dtype)
-        stage_done(f"workspace at batch {profile_batch}")
+        stages.done(f"workspace at batch {profile_batch}")
         bar.update(1)
         time_fit = False
         if scaled:
@@ -184,7 +183,7 @@ def profile(
                 runner = _OpRunner(other_graph, device)
                 args = _real_args(model, other_graph, device, dtype)
                 found = _median_times(runner, args, repeats, lambda _n: None, warm_up=warm_up)
-                stage_done(f"timed runs at batch {other_batch}")
+                stages.done(f"timed runs at batch {other_batch}")
                 return found
 
             if graph.fx is not None and _fits_in_memory(graph, device):
@@ -194,11 +193,11 @@ def profile(
                 workspace, method = _workspace_at(model, graph, device, dtype)
                 method += f", at batch {graph.batch}"
                 at_batch = every_op
-                stage_done(f"workspace at batch {graph.batch}")
+                stages.done(f"workspace at batch {graph.batch}")
             elif other_graph is not None:
                 # A weight reorder does not grow with the batch: fit each op's a + b * batch.
                 other, _ = _workspace_at(model, other_graph, device, dtype)
-                stage_done(f"workspace at batch {other_batch}")
+                stages.done(f"workspace at batch {other_batch}")
                 other_times = timed_at_other(warm_up=False)  # that run warmed up
                 workspace = _extrapolate(workspace, profile_batch, other, other_batch, graph.batch)
                 method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
@@ -209,7 +208,7 @@ def profile(
                     if too_large:
                         names = ", ".join(too_large)
                         method += f"; left as fitted, too large for the memory free: {names}"
-                    stage_done(f"large ops alone at batch {graph.batch}")
+                    stages.done(f"large ops alone at batch {graph.batch}")
             if other_graph is not None:
                 # Times: a small batch is dominated by per-op overhead, which a
                 # linear scaling would multiply along with the real work.
@@ -233,8 +232,8 @@ def profile(
 
     algorithms: dict = {}
     if graph.fx is not None and algorithm_sites(graph):
-        algorithms = _algorithm_figures(graph, device, profile_batch, repeats, progress)
-        stage_done("convolution algorithms")
+        algorithms = _algorithm_options(graph, device, profile_batch, repeats, progress)
+        stages.done("convolution algorithms")
         _one_workspace_figure(graph, algorithms, workspace, at_batch)
     op_times = [t * scale for t in times]
     nodes = _node_profiles(graph, workspace)  # times: from op_times, by _with_op_times
@@ -289,11 +288,6 @@ def _workspace_at(model: nn.Module, g: Graph, device: torch.device, dtype) -> tu
     if device.type == "cuda":
         return _workspace_cuda(runner, args)
     return _workspace_cpu(runner, args)
-
-
-def _algorithm_figures(graph: Graph, device, profile_batch: int, repeats: int, progress) -> dict:
-    with torch.no_grad():
-        return _algorithm_options(graph, device, profile_batch, repeats, progress)
 
 
 def _one_workspace_figure(graph: Graph, algorithms: dict, workspace: list[int], at_batch) -> None:

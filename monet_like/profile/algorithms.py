@@ -173,6 +173,7 @@ def _fit_chunked(
         fitted[i] = line + chunk_result
 
 
+@torch.no_grad()  # kernels run on random tensors: no autograd record
 def _algorithm_options(
     graph: Graph,
     device: torch.device,
