@@ -702,6 +702,62 @@ def test_ctrl_c_reaches_python_after_a_cbc_solve_in_this_process():
     assert got == [1]
 
 
+def _market_split(h) -> None:
+    """A market-split instance (equalities over random weights): hard for branch and
+    bound at any size, so a search on it runs until it is stopped."""
+    import highspy
+
+    rng = np.random.default_rng(0)
+    n = 40
+    columns = np.arange(n, dtype=np.int32)
+    for _ in range(n):
+        h.addVar(0, 1)
+    h.changeColsIntegrality(n, columns, np.array([highspy.HighsVarType.kInteger] * n))
+    for _ in range(5):
+        w = rng.integers(0, 100, n).astype(float)
+        h.addRow(w.sum() // 2, w.sum() // 2, n, columns, w)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_a_highs_search_is_raised_once_it_stops(sig):
+    """Python's handler raised in our HiGHS callbacks and HiGHS swallowed the exception
+    (its run ended in "Solve error"), so a Ctrl-C during a HiGHS search was lost and the
+    start schedule written. The signal is held, stops the search, and is raised after."""
+    import threading
+
+    import highspy
+
+    from monet_like.solver.backends.highs import run_interruptible
+
+    class Stopped(Exception):
+        pass
+
+    def stopped(*_):
+        raise Stopped
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", 60.0)
+    _market_split(h)
+    polls = []
+    previous = signal.signal(sig, stopped if sig == signal.SIGTERM else signal.default_int_handler)
+    try:
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), sig))
+        started = time.perf_counter()
+        timer.start()
+        expected = KeyboardInterrupt if sig == signal.SIGINT else Stopped
+        with pytest.raises(expected):
+            run_interruptible(h, stop=lambda: polls.append(1) or False)
+        took = time.perf_counter() - started
+        timer.join()
+        assert signal.getsignal(sig) in (signal.default_int_handler, stopped)  # put back
+    finally:
+        signal.signal(sig, previous)
+    assert polls, "the caller's stop() was not polled"
+    assert 0.5 <= took < 20, f"the search went on {took:.1f} s"
+    assert h.getModelStatus() == highspy.HighsModelStatus.kInterrupt
+
+
 # CBC 2.10's log on ResNet-50 at 7 GB (184, normal), shortened: after its restart the
 # root bound jumped to ten times the schedule's cost and the search "completed" at a
 # schedule 3.3% costlier than HiGHS's optimum.
