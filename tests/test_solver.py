@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import torch
 
 import monet_like.solver as solver_module
@@ -756,6 +757,69 @@ def test_a_signal_during_a_highs_search_is_raised_once_it_stops(sig):
     assert polls, "the caller's stop() was not polled"
     assert 0.5 <= took < 20, f"the search went on {took:.1f} s"
     assert h.getModelStatus() == highspy.HighsModelStatus.kInterrupt
+
+
+def _cbc_children() -> list[int]:
+    """This process's live children that run PuLP's CBC binary."""
+    import pulp
+
+    cbc = os.path.realpath(pulp.PULP_CBC_CMD(msg=False).path)
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                if os.path.realpath(f"/proc/{entry}/exe") == cbc:
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_signal_during_a_pulp_solve_stops_its_cbc_process():
+    """PuLP waits on its CBC binary; a SIGTERM sent to solve.py alone stopped the wait and
+    left CBC running to its time limit."""
+    import threading
+
+    from monet_like.solver.backends.pulp import _solve_pulp
+
+    class Stopped(Exception):
+        pass
+
+    def stopped(*_):
+        raise Stopped
+
+    rng = np.random.default_rng(0)
+    n, m = 50, 6  # market split (see _market_split): CBC runs until stopped
+    a = rng.integers(0, 100, (m, n)).astype(float)
+    f = SimpleNamespace(
+        n_bool=n, n_cont=0, n_rows=m, cost=np.zeros(n), is_eq=np.ones(m, dtype=bool),
+        a_bool=sp.csr_matrix(a), a_cont=sp.csr_matrix((m, 0)),
+    )  # fmt: skip
+
+    def signal_once_cbc_runs():
+        waited = time.perf_counter()
+        while not _cbc_children() and time.perf_counter() - waited < 30:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, stopped)
+    sender = threading.Thread(target=signal_once_cbc_runs)
+    try:
+        sender.start()
+        with pytest.raises(Stopped):
+            _solve_pulp(f, a.sum(axis=1) // 2, 60, 1e-3, False, None, None, 1)
+        sender.join()
+        time.sleep(1.0)
+        left = _cbc_children()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for pid in _cbc_children():
+            os.kill(pid, signal.SIGKILL)
+    assert not left, "PuLP's CBC was left running"
 
 
 # CBC 2.10's log on ResNet-50 at 7 GB (184, normal), shortened: after its restart the

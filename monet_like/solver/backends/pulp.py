@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import tempfile
 import threading
 import warnings
@@ -106,6 +107,26 @@ def _pulp_bound(log: str, proved: bool, objective_ms: float, gap: float) -> floa
     return _least_printed_as(found[-1]) if found else _cbc_bound_before_restart(log)
 
 
+def _stop_children_running(executable: str) -> None:
+    """Terminate this process's children that run `executable` (Linux's /proc; elsewhere
+    nothing is done): a signal sent to solve.py alone, not to its process group, reached
+    PuLP's wait for its CBC binary, and CBC ran on to its time limit."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            if parent == os.getpid() and os.path.realpath(f"/proc/{entry}/exe") == executable:
+                os.kill(int(entry), signal.SIGTERM)
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+
+
 def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start, progress, threads) -> RawResult:
     """The formulation written row by row into PuLP and solved by its bundled CBC
     binary: unlike CBC through cylp, it takes a start (-mipstart) and runs its search on
@@ -138,6 +159,9 @@ def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start, progress, threads
         watch = _CbcLogWatch(log_path, progress)
         try:
             prob.solve(cmd)
+        except BaseException:  # Ctrl-C, SIGTERM: PuLP waits on CBC and leaves it running
+            _stop_children_running(os.path.realpath(cmd.path))
+            raise
         finally:
             log = watch.close()
     if verbose:
