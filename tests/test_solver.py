@@ -347,7 +347,7 @@ def test_a_stopped_min_memory_search_is_followed_by_windows(resnet18, monkeypatc
     assert limits == [pytest.approx(40.0)]
     peak = evaluate(f, x)["peak_bytes"]
     if status == "none":
-        assert any("the MILP found no schedule: windows from a greedy one" in li for li in lines)
+        assert any("greedy schedule" in li and "the MILP found no schedule" in li for li in lines)
     if status == "optimal":
         assert peak == problem.store_all_peak_bytes
     else:
