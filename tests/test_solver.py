@@ -253,7 +253,8 @@ def resnet18_full_low(resnet18):
 def test_the_smallest_budget_is_never_above_store_alls(resnet18, monkeypatch):
     """A search stopped with a schedule above store-all's peak (every recomputation
     column on, standing in for a poor incumbent) and windows that cannot improve it:
-    the smallest budget is store-all's, not that schedule's."""
+    the smallest budget is store-all's, not that schedule's (the greedy schedule, which
+    would replace it, made as poor too)."""
     from monet_like.solver.start import store_all_start
 
     _, _, problem = resnet18
@@ -266,6 +267,7 @@ def test_the_smallest_budget_is_never_above_store_alls(resnet18, monkeypatch):
         solver_module, "solve_formulation",
         lambda f_, *a, **k: RawResult("feasible", poor.copy(), 1.0, None, None, 0.0, "HIGHS"),
     )  # fmt: skip
+    monkeypatch.setattr(solver_module, "least_peak_start", lambda f_: poor.copy())
     monkeypatch.setattr(solver_module, "shrink_peak", lambda f_, x, *a, **k: x)
     lines = []
     low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS", progress=lines.append)
