@@ -24,7 +24,7 @@ from monet_like.solver.backends.cbc import CBC_FINISHED, cbc_seeded, merge_cbc_o
 from monet_like.solver.backends.highs import is_feasible, race_workers
 from monet_like.solver.cuts import root_cuts, with_cuts
 from monet_like.solver.evaluate import evaluate
-from monet_like.solver.formulation import _rhs_for, formulate, lean_choices
+from monet_like.solver.formulation import _rhs_for, carried_over, formulate, lean_choices
 from monet_like.solver.milp import STARTABLE, check_solver, solve_formulation
 from monet_like.solver.neighbourhood import lower_cost, shrink_peak
 from monet_like.solver.problem import Problem, build_problem
@@ -150,6 +150,8 @@ def _min_budget(
         if progress is not None:
             progress("the same with the frees, from that schedule")
     f = formulate(problem, depth, allow_recompute=not ablation, frees=frees or None)
+    if start is not None and f.hold_only:
+        start = carried_over(start, plain, f)
     remaining = None if deadline is None else max(1.0, deadline - time.perf_counter())
     x = _min_schedule(f, chosen, remaining, start, progress)
     return evaluate(f, x)["peak_bytes"]
@@ -185,14 +187,15 @@ def _min_schedule(
     # at 0.1105 GB after 120 s.
     greedy = least_peak_start(f)
     greedy_peak = evaluate(f, greedy)["peak_bytes"]
-    if start is None or greedy_peak < evaluate(f, start)["peak_bytes"]:
+    start_peak = None if start is None else evaluate(f, start)["peak_bytes"]
+    if start_peak is None or greedy_peak < start_peak:
         if progress is not None:
             # GoogLeNet at 320 in normal mode: HiGHS had no schedule after 200 s
             why = "the MILP found no schedule" if start is None else "lower than the search's"
             progress(
                 f"re-solving windows from a greedy schedule of {greedy_peak / GIB:.4f} GB ({why})"
             )
-        start = greedy
+        start, start_peak = greedy, greedy_peak
     elif progress is not None:
         progress("re-solving windows of the network from that schedule")
     # A search stopped early can hold a schedule above store-all's peak (T5, under load:
@@ -200,7 +203,7 @@ def _min_schedule(
     # never above it.
     kept_all = store_all_start(f)
     kept_all_peak = evaluate(f, kept_all)["peak_bytes"]
-    if evaluate(f, start)["peak_bytes"] > kept_all_peak:
+    if start_peak > kept_all_peak:
         start = kept_all
         if progress is not None:
             progress("that schedule peaks above store-all's: the windows start from store-all")

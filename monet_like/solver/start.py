@@ -46,8 +46,10 @@ class _MustKeep(Exception):
         self.unit = unit
 
 
-def assignment(f: Formulation, kept: np.ndarray) -> np.ndarray:
-    """The 0/1 columns of the just-in-time schedule that keeps `kept`. Raises _MustKeep
+def assignment(f: Formulation, kept: np.ndarray, held: np.ndarray | None = None) -> np.ndarray:
+    """The 0/1 columns of the just-in-time schedule that keeps `kept`; a dropped unit
+    marked in `held` is, once recomputed, carried on to the last stage that needs it
+    for as long as it is a candidate, instead of recomputed again. Raises _MustKeep
     with a dropped unit that no schedule of this shape can do without (a random unit,
     or an input beyond the recomputation depth)."""
     units = f.problem.units
@@ -57,10 +59,15 @@ def assignment(f: Formulation, kept: np.ndarray) -> np.ndarray:
     variant_needs: dict[int, set[int]] = {}
     for c in f.problem.choices:
         variant_needs.setdefault(c.stage, set()).update(c.on_units)
+    last_need = np.full(len(units), -1)
+    for t, stage in enumerate(f.problem.stages):
+        last_need[[*stage.need, *variant_needs.get(t, ())]] = t
     previous: set[int] = set()  # units present during the previous stage
     for t, stage in enumerate(f.problem.stages):
         cand = set(f.cand[t])
         present = {u for u in f.cand[t] if kept[u]}
+        if held is not None:
+            present |= {u for u in previous if held[u] and u in cand and last_need[u] >= t}
         needs = set(stage.need) | variant_needs.get(t, set())
         stack = [u for u in needs if u not in present]
         recompute: set[int] = set()
@@ -96,11 +103,11 @@ def _lean_algorithms(f: Formulation, x: np.ndarray) -> None:
             x[options[chosen[f.algorithm_of[u]][0]]] = 1
 
 
-def _fit(f: Formulation, kept: np.ndarray) -> np.ndarray:
+def _fit(f: Formulation, kept: np.ndarray, held: np.ndarray | None = None) -> np.ndarray:
     """The assignment for `kept`, keeping whatever it cannot do without (in place)."""
     while True:
         try:
-            return assignment(f, kept)
+            return assignment(f, kept, held)
         except _MustKeep as exc:
             kept[exc.unit] = True
 
@@ -127,18 +134,25 @@ def store_all_start(f: Formulation) -> np.ndarray:
 def least_peak_start(f: Formulation) -> np.ndarray:
     """Binary columns of a low-peak schedule found without a solver: from store-all,
     units dropped one at a time while the peak does not rise. The smallest-budget
-    search starts its windows from it when its MILP finds no schedule in its time."""
-    return _drop_while_not_higher(f, np.ones(len(f.problem.units), dtype=bool), 0)[0]
+    search starts its windows from it when its MILP finds no schedule in its time.
+    Holding recomputed values (see `_drop_while_not_higher`) changes which drops
+    follow, for better or worse: both ways are tried, the lower kept."""
+    kept = np.ones(len(f.problem.units), dtype=bool)
+    runs = [_drop_while_not_higher(f, kept, 0, holds=holds) for holds in (True, False)]
+    return min(runs, key=lambda run: run[1])[0]
 
 
 def _drop_while_not_higher(
-    f: Formulation, kept: np.ndarray, budget_bytes: int, passes: int = 3
+    f: Formulation, kept: np.ndarray, budget_bytes: int, passes: int = 3, holds: bool = True
 ) -> tuple[np.ndarray, int]:
     """From the schedule that keeps `kept`: units dropped, one at a time, while the peak
-    does not rise, until it fits `budget_bytes` or `passes` rounds change nothing. The
-    schedule reached, and its peak."""
+    does not rise, and with `holds` dropped units held from their recomputation to their
+    last use where that lowers the peak (or, at the same peak, the recomputation), until
+    it fits `budget_bytes` or `passes` rounds change nothing. The schedule reached, and
+    its peak."""
     units = f.problem.units
     kept = kept.copy()
+    held = np.zeros(len(units), dtype=bool)
     x = _fit(f, kept)
     peak = evaluate(f, x)["peak_bytes"]
     optional = {u for c in f.problem.choices for u in c.optional_units}
@@ -156,12 +170,23 @@ def _drop_while_not_higher(
                 continue
             trial = kept.copy()
             trial[u] = False
-            x_trial = _fit(f, trial)
+            x_trial = _fit(f, trial, held)
             if trial[u]:
                 continue  # the unit cannot be dropped
             trial_peak = evaluate(f, x_trial)["peak_bytes"]
             if trial_peak <= peak:
                 kept, x, peak, changed = trial, x_trial, trial_peak, True
+        # A dropped unit held from its recomputation to its last use: no second
+        # recomputation, whose inputs would come back beside later stages' gradients.
+        for u in order if holds else ():
+            if kept[u] or held[u]:
+                continue
+            trial = held.copy()
+            trial[u] = True
+            x_trial = _fit(f, kept, trial)
+            trial_peak = evaluate(f, x_trial)["peak_bytes"]
+            if trial_peak < peak or (trial_peak == peak and f.cost @ x_trial < f.cost @ x):
+                held, x, peak, changed = trial, x_trial, trial_peak, True
         if not changed:
             break
     return x, peak

@@ -107,23 +107,34 @@ def _pulp_bound(log: str, proved: bool, objective_ms: float, gap: float) -> floa
     return _least_printed_as(found[-1]) if found else _cbc_bound_before_restart(log)
 
 
-def _stop_children_running(executable: str) -> None:
-    """Terminate this process's children that run `executable` (Linux's /proc; elsewhere
-    nothing is done): a signal sent to solve.py alone, not to its process group, reached
-    PuLP's wait for its CBC binary, and CBC ran on to its time limit."""
+def children_running(executable: str) -> list[int]:
+    """PIDs of this process's live children (zombies left out) that run `executable`,
+    read from Linux's /proc; none elsewhere."""
     try:
-        entries = os.listdir("/proc")
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
     except OSError:
-        return
+        return []
+    found = []
     for entry in entries:
-        if not entry.isdigit():
-            continue
         try:
             with open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            if parent == os.getpid() and os.path.realpath(f"/proc/{entry}/exe") == executable:
-                os.kill(int(entry), signal.SIGTERM)
+                fields = stat.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                if os.path.realpath(f"/proc/{entry}/exe") == executable:
+                    found.append(int(entry))
         except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def _stop_children_running(executable: str) -> None:
+    """Terminate this process's children that run `executable`: a signal sent to
+    solve.py alone, not to its process group, reached PuLP's wait for its CBC binary,
+    and CBC ran on to its time limit."""
+    for pid in children_running(executable):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:  # gone meanwhile
             continue
 
 
