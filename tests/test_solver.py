@@ -13,6 +13,8 @@ import scipy.sparse as sp
 import torch
 
 import monet_like.solver as solver_module
+import monet_like.solver.neighbourhood as neighbourhood_module
+import monet_like.solver.start as start_module
 from monet_like.errors import UserError
 from monet_like.graph import capture
 from monet_like.memory import last_uses
@@ -39,6 +41,8 @@ from monet_like.solver.start import (
     _fit,
     greedy_start,
     least_peak_start,
+    remember_least_peak,
+    remembered_least_peak,
     rounded_start,
     start_schedule,
 )
@@ -498,12 +502,38 @@ def test_frees_lower_the_compact_formulations_smallest_budget():
     # 30 s: the windows from the greedy schedule go on lowering it by a percent or so
     freed = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS", time_limit=30, frees=True)
     assert freed < 0.95 * held
-    sol = solve(graph, prof, freed, solver="HIGHS", frees=True, time_limit=60)
+    sol = solve(graph, prof, freed, solver="HIGHS", frees=True, time_limit=30)
     assert sol.stats["frees"] and sol.predicted_peak_bytes <= freed
+    # The search's schedule is the start: the heuristics rarely reach such a budget.
+    assert sol.stats["start"].startswith("smallest-budget search"), sol.stats["start"]
     # Without the frees the same budget is out of reach, and the message says why.
     with pytest.raises(InfeasibleBudget, match="--frees") as without:
         solve(graph, prof, freed, solver="HIGHS", time_limit=120)
     assert without.value.min_budget_bytes == pytest.approx(held, rel=2e-3)
+
+
+def test_a_least_peak_schedule_is_found_again_by_a_formulation_with_its_rows(monkeypatch):
+    """The smallest-budget search's schedule is kept by its formulation's rows: the same
+    formulation built again from a problem built again finds it, another does not. And
+    a window search whose start meets its target solves no window."""
+    monkeypatch.setattr(start_module, "_least_peak", {})
+    graph, prof, problem = _profiled("gpt(depth=2, dim=32, heads=4, max_len=128)", (128,), 4)
+    f = formulate(problem, DEFAULT_DEPTH, True)
+    x = least_peak_start(f)
+    remember_least_peak(f, x)
+    again = formulate(build_problem(graph, prof), DEFAULT_DEPTH, True)
+    assert again is not f and np.array_equal(remembered_least_peak(again), x)
+    assert remembered_least_peak(formulate(problem, DEFAULT_DEPTH, True, frees=True)) is None
+    assert remembered_least_peak(formulate(problem, None, True)) is None
+
+    def no_window(*args, **kwargs):
+        raise AssertionError("a window was solved")
+
+    monkeypatch.setattr(neighbourhood_module, "solve_formulation", no_window)
+    peak = evaluate(f, x)["peak_bytes"]
+    assert shrink_peak(f, x, "HIGHS", None, target_bytes=peak) is x
+    with pytest.raises(AssertionError, match="a window"):
+        shrink_peak(f, x, "HIGHS", None, target_bytes=peak - 1)
 
 
 def test_the_smallest_budget_search_starts_from_the_greedy_schedule_where_it_is_lower(
@@ -637,13 +667,16 @@ def test_start_schedules_are_feasible_down_near_the_smallest_budget(resnet18_pro
             assert not is_feasible(f, x, low - 1)  # the check can fail
         # the start as the solve takes it: on the formulation with its cut rows
         cut_rows, _ = root_cuts(f, budget, time_limit=60.0)
-        x, how = start_schedule(with_cuts(f, cut_rows), budget)
+        known = remembered_least_peak(f)  # the smallest-budget search's, as solve() takes it
+        if known is not None and evaluate(f, known)["peak_bytes"] <= budget:
+            costs.append(float(f.cost @ known))
+        x, how = start_schedule(with_cuts(f, cut_rows), budget, known=known)
         if x is None and fraction == 0.1:
             # Both are heuristics on the profile's times: in one fresh-clone run (before
             # the greedy's drops were added after LP rounding) neither reached 10% of the
             # way from the smallest budget, 0.7% above it.
             continue
-        assert x is not None and how.split(" + ")[0] in found
+        assert x is not None and how.split(" + ")[0] in (*found, "smallest-budget search")
         assert is_feasible(f, x, budget) and float(f.cost @ x) <= min(costs)
         sol = solve(graph, prof, budget, solver="HIGHS")
         assert sol.stats["start"] == how and sol.stats["first_feasible_s"] is not None
@@ -1002,8 +1035,8 @@ def test_cbc_stopped_without_a_schedule_returns_the_start(
     real_start = solver_module.start_schedule
     starts = []
 
-    def start_then_bound(f, budget_bytes, solver, peak_search_s=0.0):
-        x, how = real_start(f, budget_bytes, solver, peak_search_s)
+    def start_then_bound(f, budget_bytes, solver, peak_search_s=0.0, known=None):
+        x, how = real_start(f, budget_bytes, solver, peak_search_s, known)
         starts.append(float(f.cost @ x) * MS)
         if bound_fraction is not None:
             bound = bound_fraction * starts[-1]

@@ -69,13 +69,13 @@ def solved(
     frees = depth == FREES
     depth = DEFAULT_DEPTH if frees else depth
     # With the frees the window search goes on lowering the smallest budget by a percent
-    # or so for minutes: 60 s, as the budgets tested are what the replay is checked at.
+    # or so for minutes: 30 s, as the budgets tested are what the replay is checked at.
     low = min_feasible_budget(
         problem,
         depth,
         False,
         "HIGHS",
-        time_limit=60 if frees else MIN_BUDGET_TIME_LIMIT,
+        time_limit=30 if frees else MIN_BUDGET_TIME_LIMIT,
         frees=frees,
     )
     peak = problem.store_all_peak_bytes
@@ -90,7 +90,7 @@ def solved(
             prof,
             budget,
             solver="HIGHS",
-            time_limit=60 if frees else 120,  # the frees' bound is weak: stopped, not proved
+            time_limit=30 if frees else 120,  # the frees' bound is weak: stopped, not proved
             depth=depth,
             formulation=formulation,
             frees=frees,

@@ -29,7 +29,13 @@ from monet_like.solver.milp import STARTABLE, check_solver, solve_formulation
 from monet_like.solver.neighbourhood import lower_cost, shrink_peak
 from monet_like.solver.problem import Problem, build_problem
 from monet_like.solver.race import race
-from monet_like.solver.start import least_peak_start, start_schedule, store_all_start
+from monet_like.solver.start import (
+    least_peak_start,
+    remember_least_peak,
+    remembered_least_peak,
+    start_schedule,
+    store_all_start,
+)
 from monet_like.units import GIB
 from monet_like.variants import apply as apply_variants
 from monet_like.variants import parse_mode
@@ -147,6 +153,7 @@ def _min_budget(
         # to that search, the rest to the frees' from its schedule.
         plain = formulate(problem, depth, allow_recompute=True)
         start = _min_schedule(plain, chosen, time_limit and time_limit / 2, None, progress)
+        remember_least_peak(plain, start)
         if progress is not None:
             progress("the same with the frees, from that schedule")
     f = formulate(problem, depth, allow_recompute=not ablation, frees=frees or None)
@@ -154,6 +161,7 @@ def _min_budget(
         start = carried_over(start, plain, f)
     remaining = None if deadline is None else max(1.0, deadline - time.perf_counter())
     x = _min_schedule(f, chosen, remaining, start, progress)
+    remember_least_peak(f, x)  # a solve at this budget starts from it
     return evaluate(f, x)["peak_bytes"]
 
 
@@ -522,6 +530,7 @@ def _solve(
         )
 
     f = formulate(problem, depth, allow_recompute=not ablation, frees=frees or None)
+    known = remembered_least_peak(f)  # before the cuts' rows
     cut_stats = {}
     if solver in CUT_SOLVERS:
         cut_limit = 60.0 if time_limit is None else max(5.0, min(60.0, 0.1 * time_limit))
@@ -532,7 +541,7 @@ def _solve(
     t0 = time.perf_counter()
     # near the smallest budget only the least-peak search finds a start: a share of the time
     peak_search_s = START_PEAK_SEARCH_SHARE * (time_limit or MIN_BUDGET_TIME_LIMIT)
-    start, how = start_schedule(f, budget_bytes, solver, peak_search_s)
+    start, how = start_schedule(f, budget_bytes, solver, peak_search_s, known)
     if start is not None and not is_feasible(f, start, budget_bytes):
         start, how = None, "the heuristic's schedule broke a row"  # never hand that over
     searched = time.perf_counter()

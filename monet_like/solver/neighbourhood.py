@@ -67,13 +67,17 @@ def _search(
     sub_time_limit: float,
     report: Callable[[tuple, str], None],
     whole_last: bool = True,
+    good_enough: Callable[[tuple], bool] | None = None,
 ) -> np.ndarray:
     """The window search: `solve(time_limit, pins, best)` re-solves a window (pins None:
     the whole problem); a schedule of lower `score` replaces the best, and `report` is
     told of each one whose score's first entry is lower (with where it was found).
-    Without `whole_last` it ends where a window would cover every unit."""
+    Without `whole_last` it ends where a window would cover every unit; it ends at once
+    when `good_enough(best score)`."""
     n_units = len(f.problem.units)
     best, best_score = x, score(x)
+    if good_enough is not None and good_enough(best_score):
+        return best
     rng = np.random.default_rng(0)
     width = max(1, width)
     while True:
@@ -100,6 +104,8 @@ def _search(
                 if lower:
                     where = "" if whole else f" (units {lo} to {min(lo + width, n_units) - 1})"
                     report(new_score, where)
+                if good_enough is not None and good_enough(best_score):
+                    return best
         if whole:
             return best
         if not improved:
@@ -114,10 +120,12 @@ def shrink_peak(
     progress: Callable[[str], None] | None = None,
     width: int = WIDTH,
     sub_time_limit: float = SUB_TIME_LIMIT,
+    target_bytes: int | None = None,
 ) -> np.ndarray:
     """The schedule of least peak (then least recomputation) found from `x` by windows
     re-solved in turn until `deadline` (a `time.perf_counter()` value; None: until the
-    whole problem has been solved once). Never worse than `x`."""
+    whole problem has been solved once), or until one peaks at most `target_bytes`.
+    Never worse than `x`."""
 
     def score(y: np.ndarray) -> tuple[int, float]:  # the peak, then the recomputation
         return evaluate(f, y)["peak_bytes"], float(f.cost @ y)
@@ -131,7 +139,10 @@ def shrink_peak(
         if progress is not None:
             progress(f"smallest budget: {new_score[0] / GIB:.4f} GB{where}")
 
-    return _search(f, x, score, solve, deadline, width, sub_time_limit, report)
+    def reached(best_score) -> bool:
+        return target_bytes is not None and best_score[0] <= target_bytes
+
+    return _search(f, x, score, solve, deadline, width, sub_time_limit, report, True, reached)
 
 
 def lower_cost(
