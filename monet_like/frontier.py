@@ -145,6 +145,11 @@ def frontier(
             low = compiled.min_budget_bytes
             sol = compiled.solution
             key = (f"monet_like {mode}", f"budget {sol.budget_bytes / GIB:.4f} GB")
+            if key in steps:  # budgets within 0.0001 GB: told apart, not one replaced
+                key = (key[0], f"budget {sol.budget_bytes / GIB:.9f} GB")
+            if key in steps:
+                say(f"{key[0]}, {key[1]}: the same budget as an earlier point, measured once")
+                continue
             wrapped = ScheduleWrapper(model, folder / f"{mode}_{kind}_{value}.json", input_shape)
             steps[key] = _step(wrapped, x, model)
             peaks[key] = measured_peak(wrapped, x)

@@ -97,6 +97,21 @@ def test_a_batch_too_large_to_run_is_predicted_beside_the_measured_one(tmp_path)
     assert (pd.read_csv(csv)["basis"] == "predicted at batch 16").sum() == 2
 
 
+def test_budgets_that_round_alike_stay_two_points():
+    """Two budgets within 0.0001 GB (the setting's rounding) are two points, each with
+    its own setting; the same budget twice is measured once, and said so."""
+    from monet_like.pipeline import compile_schedule
+
+    model = sequential_net()
+    top = compile_schedule(model, (3, 16, 16), 8, budget_fraction=1.0).solution.budget_bytes
+    lines = []
+    points = frontier(model, (3, 16, 16), 8, budgets_bytes=(top, top + 1024, top + 1024),
+                      peers=False, repeats=1, progress=lines.append)  # fmt: skip
+    ours = [p for p in points if p.tool == "monet_like normal"]
+    assert len(ours) == 2 and len({p.setting for p in ours}) == 2, [p.setting for p in ours]
+    assert sum("measured once" in line for line in lines) == 1, lines
+
+
 def test_monets_published_points_join_the_frontier_at_its_configurations(tmp_path):
     """At one of MONeT's five configurations the frontier carries its paper's points
     (their basis says so; peaks as fractions of its PyTorch peak); at any other, none."""
