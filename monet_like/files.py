@@ -59,7 +59,8 @@ def writable_folder(path: str | os.PathLike) -> str | None:
 
 def cache_dir() -> Path:
     """$MONET_LIKE_CACHE, else $XDG_CACHE_HOME/monet_like, else ~/.cache/monet_like: the
-    profiles, the built C++ operators and downloaded zoo schedules."""
+    profiles, the smallest-budget searches' schedules, the built C++ operators and
+    downloaded zoo schedules."""
     if os.environ.get("MONET_LIKE_CACHE"):
         return Path(os.environ["MONET_LIKE_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

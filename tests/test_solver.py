@@ -3,6 +3,7 @@
 import itertools
 import json
 import os
+import re
 import signal
 import time
 from types import SimpleNamespace
@@ -46,6 +47,7 @@ from monet_like.solver.start import (
     rounded_start,
     start_schedule,
 )
+from monet_like.units import GIB, gb_at_least
 
 MIB = 2**20
 SOLVERS = ["HIGHS", "CBC", "PULP"]
@@ -396,6 +398,12 @@ def test_infeasible_budgets_report_the_smallest_feasible_one(resnet18):
     assert just_below.value.min_budget_bytes == smallest
     sol = solve(graph, prof, smallest, solver="HIGHS", formulation="full", time_limit=60)
     assert sol.predicted_peak_bytes <= smallest
+    # The budget the message prints, typed back as solve.py reads it, fits: rounded up.
+    typed = re.search(r"smallest feasible budget is ([0-9.]+) GB", str(just_below.value))
+    budget = int(float(typed.group(1)) * GIB)
+    assert smallest <= budget < smallest + GIB // 10**4 + 1
+    assert solve(graph, prof, budget, solver="HIGHS", time_limit=30).predicted_peak_bytes <= budget
+    assert gb_at_least(60471528) == "0.0564" and gb_at_least(GIB) == "1.0000"  # 0.05632 GB
 
 
 def test_ablation_forbids_recomputation(resnet18, resnet18_full_low):
@@ -512,17 +520,21 @@ def test_frees_lower_the_compact_formulations_smallest_budget():
     assert without.value.min_budget_bytes == pytest.approx(held, rel=2e-3)
 
 
-def test_a_least_peak_schedule_is_found_again_by_a_formulation_with_its_rows(monkeypatch):
-    """The smallest-budget search's schedule is kept by its formulation's rows: the same
-    formulation built again from a problem built again finds it, another does not. And
-    a window search whose start meets its target solves no window."""
+def test_a_least_peak_schedule_is_found_again_by_a_formulation_with_its_rows(monkeypatch, tmp_path):
+    """The smallest-budget search's schedule is kept by its formulation's rows, in memory
+    and in the cache folder: the same formulation built again from a problem built again
+    finds it (in a later process too), another does not. And a window search whose
+    start meets its target solves no window."""
     monkeypatch.setattr(start_module, "_least_peak", {})
+    monkeypatch.setenv("MONET_LIKE_CACHE", str(tmp_path))
     graph, prof, problem = _profiled("gpt(depth=2, dim=32, heads=4, max_len=128)", (128,), 4)
     f = formulate(problem, DEFAULT_DEPTH, True)
     x = least_peak_start(f)
     remember_least_peak(f, x)
     again = formulate(build_problem(graph, prof), DEFAULT_DEPTH, True)
     assert again is not f and np.array_equal(remembered_least_peak(again), x)
+    monkeypatch.setattr(start_module, "_least_peak", {})  # as a later process finds it
+    assert np.array_equal(remembered_least_peak(again), x)
     assert remembered_least_peak(formulate(problem, DEFAULT_DEPTH, True, frees=True)) is None
     assert remembered_least_peak(formulate(problem, None, True)) is None
 

@@ -36,7 +36,7 @@ from monet_like.solver.start import (
     start_schedule,
     store_all_start,
 )
-from monet_like.units import GIB
+from monet_like.units import GIB, gb_at_least
 from monet_like.variants import apply as apply_variants
 from monet_like.variants import parse_mode
 
@@ -341,7 +341,7 @@ def solve(
         mode_exc = infeasible[0][1]
         raise InfeasibleBudget(
             f"{lowest} (on {what}; with the mode's variants "
-            f"{mode_exc.min_budget_bytes / GIB:.3f} GB)",
+            f"{gb_at_least(mode_exc.min_budget_bytes)} GB)",
             lowest.min_budget_bytes,
             lowest.fixed_bytes,
         ) from None
@@ -524,7 +524,7 @@ def _solve(
         raise InfeasibleBudget(
             f"budget {budget_bytes / GIB:.3f} GB is below the fixed part "
             f"{problem.fixed_bytes / GIB:.3f} GB (parameters, gradients, buffers, input); "
-            f"the smallest feasible budget is {smallest / GIB:.3f} GB{whose}",
+            f"the smallest feasible budget is {gb_at_least(smallest)} GB{whose}",
             smallest,
             problem.fixed_bytes,
         )
@@ -569,7 +569,7 @@ def _solve(
         smallest = _smallest_budget(problem, depth, ablation, solver, frees, progress)
         raise InfeasibleBudget(
             f"no schedule fits {budget_bytes / GIB:.3f} GB: the smallest feasible budget is "
-            f"{smallest / GIB:.3f} GB{whose}; fixed part {problem.fixed_bytes / GIB:.3f} GB",
+            f"{gb_at_least(smallest)} GB{whose}; fixed part {problem.fixed_bytes / GIB:.3f} GB",
             smallest,
             problem.fixed_bytes,
         )

@@ -25,18 +25,22 @@ solver takes pinned columns (HiGHS, CBC through cylp), else by HiGHS. On ResNet-
 at batch 184 and 5 GB it takes the start from 12.95 to 9.29 s of recomputation
 (the optimum: 8.21 s).
 
-A solve at or near a smallest budget just searched for in the same process (the
-frontier's last point, the tests) also gets that search's schedule
-(`remember_least_peak`): the heuristics above rarely reach such a budget.
+A solve at or near a smallest budget searched for before (in this process: the
+frontier's smallest point; in an earlier one: solve.py at the budget its infeasible
+run printed) also gets that search's schedule (`remember_least_peak`, in memory and
+in the cache folder): the heuristics above rarely reach such a budget.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import time
+from pathlib import Path
 
 import numpy as np
 
+from monet_like.files import atomic_write, cache_dir
 from monet_like.solver.backends.highs import relaxation
 from monet_like.solver.evaluate import evaluate
 from monet_like.solver.formulation import Formulation, lean_choices
@@ -304,20 +308,40 @@ def _rows_key(f: Formulation) -> bytes:
     return digest.digest()
 
 
+def _least_peak_file(key: bytes) -> Path:
+    return cache_dir() / "least_peak" / f"{key.hex()}.npy"
+
+
 def remember_least_peak(f: Formulation, x: np.ndarray) -> None:
     """Keep `x`, the schedule of least peak found on `f`, for `start_schedule` on a
-    formulation with the same rows (the most recent `_REMEMBERED` of them)."""
+    formulation with the same rows: in memory (the most recent `_REMEMBERED`) and in
+    the cache folder (where it cannot be written, in memory only)."""
     key = _rows_key(f)
     _least_peak.pop(key, None)
     _least_peak[key] = x.copy()
     while len(_least_peak) > _REMEMBERED:
         _least_peak.pop(next(iter(_least_peak)))
+    stored = io.BytesIO()
+    np.save(stored, np.packbits(np.asarray(x) > 0.5))
+    try:
+        atomic_write(_least_peak_file(key), stored.getvalue())
+    except OSError:
+        pass  # a start saved for later, not a result: the solve goes on without it
 
 
 def remembered_least_peak(f: Formulation) -> np.ndarray | None:
     """The schedule `remember_least_peak` kept for `f`'s rows, or None. Take the key
-    before adding cuts: they add rows."""
-    return _least_peak.get(_rows_key(f))
+    before adding cuts: they add rows. A schedule read from the cache is only a start:
+    the solve checks it against every row before it takes it."""
+    key = _rows_key(f)
+    if key in _least_peak:
+        return _least_peak[key]
+    try:
+        packed = np.load(_least_peak_file(key), allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    x = np.unpackbits(packed.astype(np.uint8))[: f.n_bool].astype(int)
+    return x if len(x) == f.n_bool else None
 
 
 def start_schedule(
