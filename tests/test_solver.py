@@ -30,7 +30,7 @@ from monet_like.solver import (
 )
 from monet_like.solver.backends import RawResult
 from monet_like.solver.backends.cbc import _cbc_bound_before_restart, _cbc_matrix, _shuffled
-from monet_like.solver.backends.highs import is_feasible
+from monet_like.solver.backends.highs import is_feasible, relaxation_infeasible
 from monet_like.solver.backends.pulp import _CbcLogWatch, _pulp_bound, children_running
 from monet_like.solver.cuts import CutSeparator, root_cuts, with_cuts
 from monet_like.solver.evaluate import evaluate
@@ -546,6 +546,25 @@ def test_a_least_peak_schedule_is_found_again_by_a_formulation_with_its_rows(mon
     assert shrink_peak(f, x, "HIGHS", None, target_bytes=peak) is x
     with pytest.raises(AssertionError, match="a window"):
         shrink_peak(f, x, "HIGHS", None, target_bytes=peak - 1)
+
+
+def test_no_least_peak_search_for_a_start_where_the_lp_proves_the_budget_infeasible(
+    monkeypatch,
+):
+    """Both heuristics fail below the smallest budget; where the LP relaxation is
+    infeasible there, the least-peak search (a quarter of the time limit) is skipped."""
+    _, _, problem = _profiled("gpt(depth=2, dim=32, heads=4, max_len=128)", (128,), 4)
+    f = formulate(problem, DEFAULT_DEPTH, True)
+    below = problem.fixed_bytes + MIB
+    assert relaxation_infeasible(f, below)
+    assert not relaxation_infeasible(f, problem.store_all_peak_bytes)
+
+    def searched(*args, **kwargs):
+        raise AssertionError("the least-peak search ran")
+
+    monkeypatch.setattr(start_module, "_within_by_least_peak", searched)
+    x, how = start_schedule(f, below, "HIGHS", peak_search_s=30.0)
+    assert x is None and "LP relaxation is infeasible" in how
 
 
 def test_the_smallest_budget_search_starts_from_the_greedy_schedule_where_it_is_lower(

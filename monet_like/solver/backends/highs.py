@@ -83,6 +83,15 @@ def relaxation(f: Formulation, budget_bytes: float, time_limit: float = 60.0) ->
     return np.asarray(h.getSolution().col_value[: f.n_bool]) if solved else None
 
 
+def relaxation_infeasible(f: Formulation, budget_bytes: float, time_limit: float = 60.0) -> bool:
+    """Whether HiGHS proves the LP relaxation at `budget_bytes` infeasible within
+    `time_limit` seconds: then no schedule fits that budget."""
+    import highspy
+
+    h, _ = solved_relaxation(f, budget_bytes, time_limit)
+    return h.getModelStatus() == highspy.HighsModelStatus.kInfeasible
+
+
 def is_feasible(f: Formulation, x_bool: np.ndarray, budget_bytes: int) -> bool:
     """Whether the binary columns `x_bool` satisfy every row within `budget_bytes` (the
     continuous columns completed by an LP)."""
