@@ -329,6 +329,27 @@ def _sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def test_a_signal_while_a_racer_forks_is_delivered_once_the_fork_is_over():
+    """A stopping signal that comes while a racer is forked is held back and delivered
+    after: inside the fork's handlers Python raised it where it is ignored (a SIGINT
+    lost, and solve.py exited 0). Its own process, so that no test's handler moves."""
+    code = (
+        "import os, signal, time\n"
+        "from monet_like.solver.race import signals_held\n"
+        "order = []\n"
+        "signal.signal(signal.SIGTERM, lambda *_: order.append('delivered'))\n"
+        "with signals_held():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.2)\n"
+        "    order.append('fork over')\n"
+        "time.sleep(0.05)\n"
+        "print(order)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['fork over', 'delivered']", r.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_a_cbc_race_stops_every_process(sig, tmp_path):

@@ -18,11 +18,13 @@ reaches this process too, which stops them.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -43,6 +45,41 @@ def available_cores() -> int:
     if threads.isdigit() and int(threads) >= 1:
         cores = min(cores, int(threads))
     return cores
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[Callable[[], bool] | None]:
+    """SIGINT and SIGTERM held, then handed to their handlers on leaving; yields a test
+    of whether one came (None where none is held). Only Python handlers are held (a
+    racer's SIG_IGN and SIG_DFL stay), from the main thread. A signal handled in code
+    that swallows exceptions is lost: HiGHS swallows one raised in our callbacks
+    (progress, the race's stop), so its run ended in "Solve error", the start was
+    written and the user's Ctrl-C lost; and a fork's own handlers (logging's lock
+    release) ignore one, so a Ctrl-C that came while a racer forked was lost and
+    solve.py exited 0. A signal mask would not do: torch's threads take a signal the
+    main thread blocks."""
+    held: list[tuple[int, object]] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                previous[signum] = handler
+                signal.signal(signum, lambda s, frame: held.append((s, frame)))
+    try:
+        yield (lambda: bool(held)) if previous else None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum, frame in held:
+            previous[signum](signum, frame)  # KeyboardInterrupt, or the CLI's Terminated
+
+
+def _start(ctx, run: Callable[[int, Any], Any], seed: int, racers: list[_Racer]) -> None:
+    """A racer started and listed, so that a signal delivered once the fork is over
+    finds it in `racers` to be stopped."""
+    with signals_held():  # a signal that comes while it forks is raised after
+        racers.append(_Racer(ctx, run, seed))
 
 
 class _Racer:
@@ -71,7 +108,10 @@ class _Racer:
     def stop(self) -> None:
         if self.process.is_alive():
             self.process.terminate()
-        self.process.join()
+        self.process.join(RACE_GRACE_S)
+        if self.process.is_alive():  # SIGTERM came before its handler was reset: kill it
+            self.process.kill()
+            self.process.join()
         self.pipe.close()
 
 
@@ -104,12 +144,14 @@ def race(
     ctx = mp.get_context("fork")
     if not interruptible:
         return _race_forked(ctx, run, workers, proved, deadline)
-    racers = [_Racer(ctx, run, seed) for seed in range(1, workers)]
+    racers: list[_Racer] = []
 
     def a_racer_proved() -> bool:
         return any(r.finished() and proved(r.outcome) for r in racers)
 
     try:
+        for seed in range(1, workers):
+            _start(ctx, run, seed, racers)
         # Only a racer that proved its answer stops ours: one that failed early, or ran
         # out of time a moment sooner, must not cut our search short.
         own = run(0, a_racer_proved)
@@ -127,9 +169,11 @@ def _race_forked(ctx, run, workers: int, proved, deadline: float | None) -> list
     """Every seed in a forked process; this one waits until one has proved its answer
     or all have stopped: at `deadline` those still running are interrupted, and those
     that have not answered `RACE_GRACE_S` later are left out."""
-    racers = [_Racer(ctx, run, seed) for seed in range(workers)]
+    racers: list[_Racer] = []
     interrupted = False
     try:
+        for seed in range(workers):
+            _start(ctx, run, seed, racers)
         while True:
             waiting = [r for r in racers if not r.done]
             if not waiting:

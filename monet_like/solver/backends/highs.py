@@ -4,11 +4,8 @@ of a fixed schedule."""
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +13,7 @@ import scipy.sparse as sp
 
 from monet_like.solver.backends import RawResult, _finish, relative_gap
 from monet_like.solver.formulation import MIB, MS, Formulation, _budget_column, _rhs_for
-from monet_like.solver.race import available_cores, race
+from monet_like.solver.race import available_cores, race, signals_held
 from monet_like.streams import silenced
 from monet_like.units import GIB
 
@@ -190,36 +187,10 @@ def _highs_search(
     )  # fmt: skip
 
 
-@contextmanager
-def _signals_held() -> Iterator[Callable[[], bool] | None]:
-    """SIGINT and SIGTERM held while HiGHS runs, then handed to their handlers once it
-    has returned; yields a test of whether one came (None where none is held). Why:
-    HiGHS runs our Python callbacks (progress, the race's stop), Python's handler raises
-    KeyboardInterrupt in whichever one runs next, and HiGHS swallows an exception from a
-    callback: its run ended in "Solve error", the start schedule was taken and written,
-    and the user's Ctrl-C was lost. Only Python handlers are held: a racer's SIG_IGN and
-    SIG_DFL stay (race.py)."""
-    held: list[tuple[int, object]] = []
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            handler = signal.getsignal(signum)
-            if callable(handler):
-                previous[signum] = handler
-                signal.signal(signum, lambda s, frame: held.append((s, frame)))
-    try:
-        yield (lambda: bool(held)) if previous else None
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        for signum, frame in held:
-            previous[signum](signum, frame)  # KeyboardInterrupt, or the CLI's Terminated
-
-
 def run_interruptible(h, stop: Callable[[], bool] | None = None) -> None:
     """`h.run()`, interrupted when `stop()` (polled) says so or a SIGINT or SIGTERM
-    arrives; such a signal is raised once HiGHS has returned (`_signals_held`)."""
-    with _signals_held() as signalled:
+    arrives; such a signal is raised once HiGHS has returned (`race.signals_held`)."""
+    with signals_held() as signalled:
         checks = [c for c in (signalled, stop) if c is not None]
         if checks:
             h.cbMipInterrupt.subscribe(
