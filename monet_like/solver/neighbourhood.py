@@ -142,7 +142,7 @@ def shrink_peak(
     def reached(best_score) -> bool:
         return target_bytes is not None and best_score[0] <= target_bytes
 
-    return _search(f, x, score, solve, deadline, width, sub_time_limit, report, True, reached)
+    return _search(f, x, score, solve, deadline, width, sub_time_limit, report, good_enough=reached)
 
 
 def lower_cost(
