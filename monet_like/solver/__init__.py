@@ -21,7 +21,7 @@ from monet_like.profile import align_times, derived_profile
 from monet_like.solution import Solution
 from monet_like.solver.backends import RawResult, relative_gap
 from monet_like.solver.backends.cbc import CBC_FINISHED, cbc_seeded, merge_cbc_outcomes
-from monet_like.solver.backends.highs import is_feasible, race_workers
+from monet_like.solver.backends.highs import is_feasible, known_infeasible, race_workers
 from monet_like.solver.cuts import root_cuts, with_cuts
 from monet_like.solver.evaluate import evaluate
 from monet_like.solver.formulation import _rhs_for, carried_over, formulate, lean_choices
@@ -180,22 +180,34 @@ def _min_schedule(
     the MILP alone stopped at 4.355 GB after 200 s and after 300 s; 17 s of windows
     after the 200 s reached 4.2826 GB, the optimum (proved in 621 s by the MILP)."""
     deadline = None if time_limit is None else time.perf_counter() + time_limit
+    # An earlier search's schedule for these rows (another budget tried, another process):
+    # the MILP starts from it and, where the bound meets it, proves it at once.
+    remembered = remembered_least_peak(f)
+    if remembered is not None:
+        remembered_peak = evaluate(f, remembered)["peak_bytes"]
+        if not is_feasible(f, remembered, remembered_peak):
+            remembered = None
     if start is None:
         lean = solver == "HIGHS" and bool(f.problem.choices or f.problem.algorithms)
         share = 1 / 2 if lean else 2 / 3
         first = solve_formulation(
             f, None, solver, time_limit=time_limit and time_limit * share, gap=1e-3,
+            start=None if lean else remembered,  # the lean pins may exclude it
             pins=lean_choices(f) if lean else None, progress=progress,
         )  # fmt: skip
         if first.x_bool is not None and not lean and first.status == "optimal":
             return first.x_bool
         start = first.x_bool
+    start_peak = None if start is None else evaluate(f, start)["peak_bytes"]
+    if remembered is not None and (start_peak is None or remembered_peak < start_peak):
+        start, start_peak = remembered, remembered_peak
+        if progress is not None:
+            progress(f"an earlier search's schedule of {remembered_peak / GIB:.4f} GB is lower")
     # The greedy schedule can peak lower than a stopped search's: on the GPT (dim 256,
     # 8 x 256) with the frees, 0.1056 GB in 1.4 s, where the search without it ended
     # at 0.1105 GB after 120 s.
     greedy = least_peak_start(f)
     greedy_peak = evaluate(f, greedy)["peak_bytes"]
-    start_peak = None if start is None else evaluate(f, start)["peak_bytes"]
     if start_peak is None or greedy_peak < start_peak:
         if progress is not None:
             # GoogLeNet at 320 in normal mode: HiGHS had no schedule after 200 s
@@ -486,6 +498,28 @@ def _checked_options(solver: str, formulation: str, budget_bytes: int) -> str:
     return solver
 
 
+def _no_schedule_fits(
+    problem: Problem,
+    budget_bytes: int,
+    depth: int | None,
+    ablation: bool,
+    solver: str,
+    frees: bool,
+    whose: str,
+    progress: Callable[[str], None] | None,
+) -> InfeasibleBudget:
+    """The error for a budget proved infeasible, naming the smallest feasible one
+    (`whose`: of which formulation, `_whose_smallest`)."""
+    smallest = _smallest_budget(problem, depth, ablation, solver, frees, progress)
+    return InfeasibleBudget(
+        f"no schedule fits {budget_bytes / GIB:.3f} GB: the smallest feasible budget is "
+        f"{gb_at_least(smallest)} GB{whose}; fixed part"
+        f" {problem.fixed_bytes / GIB:.3f} GB",
+        smallest,
+        problem.fixed_bytes,
+    )
+
+
 def _solve(
     graph,
     profile,
@@ -557,6 +591,11 @@ def _solve(
                 f"recomputation ({start_s:.1f} s)"
                 + ("" if solver in STARTABLE else f"; {solver} takes no start, kept as fallback")
             )
+    if start is None and known_infeasible(f, budget_bytes):
+        # the LP relaxation (the cuts' or the start's) proved it: no MILP to run
+        raise _no_schedule_fits(
+            problem, budget_bytes, depth, ablation, solver, frees, whose, progress
+        )
     if solver == "CBC" and start is not None and race_workers(f) > 1:
         raw = _cbc_beside_windows(f, budget_bytes, start, left, gap, verbose, progress)
     else:
@@ -566,12 +605,8 @@ def _solve(
         )  # fmt: skip
     search_s = time.perf_counter() - searched
     if raw.status == "infeasible" and start is None:
-        smallest = _smallest_budget(problem, depth, ablation, solver, frees, progress)
-        raise InfeasibleBudget(
-            f"no schedule fits {budget_bytes / GIB:.3f} GB: the smallest feasible budget is "
-            f"{gb_at_least(smallest)} GB{whose}; fixed part {problem.fixed_bytes / GIB:.3f} GB",
-            smallest,
-            problem.fixed_bytes,
+        raise _no_schedule_fits(
+            problem, budget_bytes, depth, ablation, solver, frees, whose, progress
         )
     x, returned_start = raw.x_bool, False
     peak = None if x is None else evaluate(f, x)

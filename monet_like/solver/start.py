@@ -292,6 +292,8 @@ def reschedule(f: Formulation, x: np.ndarray, budget_bytes: int, solver: str) ->
 
 
 _REMEMBERED = 16  # formulations whose least-peak schedule is kept
+# ... and in the cache folder, the most recently used (a few KB each: a bit per column)
+_REMEMBERED_ON_DISK = 256
 _least_peak: dict[bytes, np.ndarray] = {}
 
 
@@ -325,8 +327,18 @@ def remember_least_peak(f: Formulation, x: np.ndarray) -> None:
     np.save(stored, np.packbits(np.asarray(x) > 0.5))
     try:
         atomic_write(_least_peak_file(key), stored.getvalue())
+        _prune_least_peak_files()
     except OSError:
         pass  # a start saved for later, not a result: the solve goes on without it
+
+
+def _prune_least_peak_files() -> None:
+    """Remove all but the `_REMEMBERED_ON_DISK` most recently used schedule files."""
+    files = sorted(
+        _least_peak_file(b"").parent.glob("*.npy"), key=lambda p: p.stat().st_mtime, reverse=True
+    )
+    for old in files[_REMEMBERED_ON_DISK:]:
+        old.unlink(missing_ok=True)
 
 
 def remembered_least_peak(f: Formulation) -> np.ndarray | None:
@@ -336,8 +348,10 @@ def remembered_least_peak(f: Formulation) -> np.ndarray | None:
     key = _rows_key(f)
     if key in _least_peak:
         return _least_peak[key].copy()
+    path = _least_peak_file(key)
     try:
-        packed = np.load(_least_peak_file(key), allow_pickle=False)
+        packed = np.load(path, allow_pickle=False)
+        path.touch()  # used: kept by `_prune_least_peak_files`
     except (OSError, ValueError):
         return None
     x = np.unpackbits(packed.astype(np.uint8))[: f.n_bool].astype(int)

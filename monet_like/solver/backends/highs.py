@@ -62,20 +62,34 @@ def _highs_model(f: Formulation, rhs: np.ndarray, minimize_budget: bool, fixed=N
 
 def solved_relaxation(f: Formulation, budget_bytes: float, time_limit: float = 60.0):
     """The LP relaxation at `budget_bytes` (least recomputation) as a highspy model, run
-    for at most `time_limit` seconds, and whether it reached its optimum."""
+    for at most `time_limit` seconds, and whether it reached its optimum. A budget proved
+    infeasible is remembered in `f.cache` (`known_infeasible`)."""
     import highspy
 
     h = _highs_model(f, _rhs_for(f, budget_bytes), False)
     h.setOptionValue("solve_relaxation", True)
     h.setOptionValue("time_limit", float(time_limit))
     h.run()
+    if h.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
+        largest = f.cache.get("lp_infeasible_at", -np.inf)
+        f.cache["lp_infeasible_at"] = max(largest, float(budget_bytes))
     return h, h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+
+
+def known_infeasible(f: Formulation, budget_bytes: float) -> bool:
+    """Whether an LP relaxation of `f` already solved proved `budget_bytes` infeasible:
+    at that budget or a larger one (the budget only bounds memory rows from above, so
+    a smaller one is infeasible too). The cuts' LP, the LP rounding's and the start's
+    check all ask at the same budget: one solve answers them."""
+    return budget_bytes <= f.cache.get("lp_infeasible_at", -np.inf)
 
 
 def relaxation(f: Formulation, budget_bytes: float, time_limit: float = 60.0) -> np.ndarray | None:
     """The binary columns' values in the LP relaxation at `budget_bytes` (least
     recomputation), or None when even the relaxation is infeasible (or not solved
     within `time_limit` seconds)."""
+    if known_infeasible(f, budget_bytes):
+        return None
     h, solved = solved_relaxation(f, budget_bytes, time_limit)
     return np.asarray(h.getSolution().col_value[: f.n_bool]) if solved else None
 
@@ -83,10 +97,9 @@ def relaxation(f: Formulation, budget_bytes: float, time_limit: float = 60.0) ->
 def relaxation_infeasible(f: Formulation, budget_bytes: float, time_limit: float = 60.0) -> bool:
     """Whether HiGHS proves the LP relaxation at `budget_bytes` infeasible within
     `time_limit` seconds: then no schedule fits that budget."""
-    import highspy
-
-    h, _ = solved_relaxation(f, budget_bytes, time_limit)
-    return h.getModelStatus() == highspy.HighsModelStatus.kInfeasible
+    if not known_infeasible(f, budget_bytes):
+        solved_relaxation(f, budget_bytes, time_limit)
+    return known_infeasible(f, budget_bytes)
 
 
 def is_feasible(f: Formulation, x_bool: np.ndarray, budget_bytes: int) -> bool:
