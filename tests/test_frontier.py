@@ -97,6 +97,26 @@ def test_a_batch_too_large_to_run_is_predicted_beside_the_measured_one(tmp_path)
     assert (pd.read_csv(csv)["basis"] == "predicted at batch 16").sum() == 2
 
 
+def test_every_tool_is_measured_on_the_loop_the_schedules_are_solved_for():
+    """Outputs held to the step's end, or dropped before backward: eager's step (and
+    each peer's) runs the same loop as monet_like's schedules. A model whose output
+    dwarfs its activations (1 MiB of logits): store-all replays at eager's peak in either
+    loop, and holding the outputs costs eager exactly their bytes. (The peers once ran
+    the dropping loop beside schedules solved holding them: the benchmarks' GPT's 8 MiB
+    of logits went to the peers' favour.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4096))
+    eager = {}
+    for held in (True, False):
+        points = frontier(model, (16,), 64, fractions=(1.0,), peers=False, repeats=1,
+                          time_limit=30, outputs_held=held)  # fmt: skip
+        eager[held], store_all = points
+        assert store_all.tool == "monet_like normal"
+        assert store_all.measured_peak_bytes == eager[held].measured_peak_bytes, held
+    output_bytes = 64 * 4096 * 4
+    assert eager[True].measured_peak_bytes - eager[False].measured_peak_bytes == output_bytes
+
+
 def test_budgets_that_round_alike_stay_two_points():
     """Two budgets within 0.0001 GB (the setting's rounding) are two points, each with
     its own setting; the same budget twice is measured once, and said so."""

@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     front.add_argument("--frees", action="store_true", help="solve.py's --frees for each solve")
     front.add_argument("--no_peers", action="store_true", help="monet_like's schedules only")
     front.add_argument(
+        "--outputs_freed",
+        action="store_true",
+        help="every tool's loop drops the model's outputs before backward (loss(model(x))"
+        ".backward()), as solve.py's --outputs_freed; by default they are held",
+    )
+    front.add_argument(
         "--predict_batch",
         type=positive_int,
         help="also monet_like's schedules at this batch, predicted, not run (too large here)",
@@ -106,7 +112,7 @@ def cmd_frontier(args) -> dict:
         budgets_bytes=tuple(int(b * GIB) for b in budgets), activation_fractions=activation,
         frees=args.frees, peers=not args.no_peers, predict_batch=args.predict_batch,
         repeats=args.repeats, time_limit=args.time_limit, device=device,
-        progress=lambda line: print(line, flush=True),
+        progress=lambda line: print(line, flush=True), outputs_held=not args.outputs_freed,
     )  # fmt: skip
     for batch in dict.fromkeys(b for b in (args.batch, args.predict_batch) if b):
         points += frontier.published(model, spec.expression, batch, shape)
