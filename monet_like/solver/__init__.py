@@ -511,15 +511,18 @@ def _no_schedule_fits(
     progress: Callable[[str], None] | None,
 ) -> InfeasibleBudget:
     """The error for a budget proved infeasible, naming the smallest feasible one
-    (`whose`: of which formulation, `_whose_smallest`)."""
+    (`whose`: of which formulation, `_whose_smallest`) and the fixed part."""
     smallest = _smallest_budget(problem, depth, ablation, solver, frees, progress)
-    return InfeasibleBudget(
-        f"no schedule fits {budget_bytes / GIB:.3f} GB: the smallest feasible budget is "
-        f"{gb_at_least(smallest)} GB{whose}; fixed part"
-        f" {problem.fixed_bytes / GIB:.3f} GB",
-        smallest,
-        problem.fixed_bytes,
-    )
+    fixed = f"{problem.fixed_bytes / GIB:.3f} GB"
+    at_least = f"the smallest feasible budget is {gb_at_least(smallest)} GB{whose}"
+    if budget_bytes < problem.fixed_bytes:
+        message = (
+            f"budget {budget_bytes / GIB:.3f} GB is below the fixed part {fixed}"
+            f" (parameters, gradients, buffers, input); {at_least}"
+        )
+    else:
+        message = f"no schedule fits {budget_bytes / GIB:.3f} GB: {at_least}; fixed part {fixed}"
+    return InfeasibleBudget(message, smallest, problem.fixed_bytes)
 
 
 def _solve(
@@ -556,13 +559,8 @@ def _solve(
     frees = frees and formulation == "compact" and not ablation
     whose = _whose_smallest(frees, formulation, ablation)
     if budget_bytes < problem.fixed_bytes:
-        smallest = _smallest_budget(problem, depth, ablation, solver, frees, progress)
-        raise InfeasibleBudget(
-            f"budget {budget_bytes / GIB:.3f} GB is below the fixed part "
-            f"{problem.fixed_bytes / GIB:.3f} GB (parameters, gradients, buffers, input); "
-            f"the smallest feasible budget is {gb_at_least(smallest)} GB{whose}",
-            smallest,
-            problem.fixed_bytes,
+        raise _no_schedule_fits(
+            problem, budget_bytes, depth, ablation, solver, frees, whose, progress
         )
 
     f = formulate(problem, depth, allow_recompute=not ablation, frees=frees or None)
