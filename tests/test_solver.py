@@ -259,7 +259,7 @@ def resnet18_full_low(resnet18):
     return min_feasible_budget(resnet18[2], None, False, "HIGHS")
 
 
-def test_the_smallest_budget_is_never_above_store_alls(resnet18, monkeypatch):
+def test_the_smallest_budget_is_never_above_store_alls(resnet18, monkeypatch, nothing_remembered):
     """A search stopped with a schedule above store-all's peak (every recomputation
     column on, standing in for a poor incumbent) and windows that cannot improve it:
     the smallest budget is store-all's, not that schedule's (the greedy schedule, which
