@@ -672,8 +672,8 @@ def test_a_recomputed_value_is_held_across_a_stage_that_reads_nothing():
     """With the frees, the value clone's backward (it reads nothing) sits between the
     attention's second matmul's backward and the softmax's, both reading the softmax
     output: bridged, the output is held across it, not recomputed again beside the
-    gradients of the scores (docs/benchmarks.md: 23.7% -> 21.7% of eager's activation
-    memory on the benchmarks' GPT, whose smallest budget that recomputation set)."""
+    gradients of the scores (on the benchmarks' GPT that recomputation set the smallest
+    budget with the frees: docs/solver.md, bridges)."""
     _, _, problem = _profiled("gpt(depth=2, dim=32, heads=4, max_len=128, dropout=0.0)", (128,), 4)
     bridged = formulate(problem, DEFAULT_DEPTH, True, frees=True)
     plain = formulate(problem, DEFAULT_DEPTH, True, frees=True, bridges=False)
