@@ -301,17 +301,13 @@ def _step(
 ):
     """One training step of `net` on `x` (gradients of `params`, default `net`, reset),
     with the outputs held to its end (`outputs_held`) or dropped before backward."""
-    from monet_like.graph import default_loss
+    from monet_like.memory import training_step
 
     owner = params if params is not None else net
 
     def step() -> None:
         owner.zero_grad(set_to_none=True)
-        if outputs_held:
-            outputs = net(x)
-            default_loss(outputs).backward()
-        else:
-            default_loss(net(x)).backward()
+        training_step(net, x, hold_outputs=outputs_held)
 
     return step
 
