@@ -299,7 +299,14 @@ _least_peak: dict[bytes, np.ndarray] = {}
 
 def _rows_key(f: Formulation) -> bytes:
     """A digest of `f`'s columns and rows (not its costs): the formulations built from
-    one problem by the same options share it, whichever object holds them."""
+    one problem by the same options share it, whichever object holds them. Kept in
+    `f.cache`: a smallest-budget search reads and then writes its schedule by it."""
+    if "rows_key" not in f.cache:
+        f.cache["rows_key"] = _digest_of_rows(f)
+    return f.cache["rows_key"]
+
+
+def _digest_of_rows(f: Formulation) -> bytes:
     digest = hashlib.blake2b(digest_size=16)
     digest.update(np.asarray([f.n_bool, f.n_cont]).tobytes())
     for a in (f.a_bool, f.a_cont):
