@@ -308,6 +308,8 @@ def _step(
     def step() -> None:
         owner.zero_grad(set_to_none=True)
         training_step(net, x, hold_outputs=outputs_held)
+        if x.is_cuda:  # kernels run on after backward returns: a step's time ends with them
+            torch.cuda.synchronize(x.device)
 
     return step
 

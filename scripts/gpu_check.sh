@@ -1,34 +1,53 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one call (a lent GPU machine has minutes, not hours):
-#   1. the CUDA kernels built and compared with their references on the GPU;
-#   1b. whether an error thrown in nvcc-compiled code reaches Python, per host compiler;
-#   2. one replay on CUDA: measured peak (the CUDA caching allocator) against the
-#      predicted peak and the budget, and gradients against eager PyTorch;
-#      then the allocator's bytes per step (first and second, replay and eager) and the
-#      differences with TF32 on and off (scripts/gpu_replay_probe.py);
-#   3. the zoo's entries simulated within their budgets (they are profiled on the CPU:
-#      a GPU solve of the same configuration is a separate profile).
+# The checks that need a GPU, in one call (a lent GPU machine has minutes, not hours),
+# the ones no earlier run covered first:
+#   1. MONeT's ResNet-50 configuration (batch 184, 224 px) at full size: profiled and
+#      solved on this GPU at 10 GB (normal), replayed: peak against prediction, gradients
+#      against eager, step time against eager beside the predicted overhead;
+#   2. one small replay on CUDA (ResNet-18, full mode): measured peak (the CUDA caching
+#      allocator) against the predicted peak and the budget, gradients against eager;
+#      then the allocator's bytes per step and TF32 on and off (scripts/gpu_replay_probe.py);
+#   3. a zoo schedule (profiled on the CPU) replayed on CUDA at full size;
+#   4. the CUDA kernels built and compared with their references on the GPU;
+#      GPU_CHECK_THROW_PROBE=1 adds whether an error thrown in nvcc-compiled code reaches
+#      Python, per host compiler (scripts/gpu_throw_probe.py; minutes of builds);
+#   5. the zoo's entries against their index.
 # Usage: bash scripts/gpu_check.sh   (after install.sh; prints one block per check)
+# GPU_CHECK_OUT=DIR keeps the solved schedules and the profile cache there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 # scripts/*.py import the package from the checkout when it is not installed (a bare GPU image)
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+out=${GPU_CHECK_OUT:-$(mktemp -d)}
+mkdir -p "$out"
+export MONET_LIKE_CACHE="$out/cache"
 status=0
-echo "== nvidia-smi"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || status=1
-echo "== 1. CUDA kernels"
-timeout 300 "$PY" -m pytest -q -n0 tests/test_cuda_build.py -p no:cacheprovider || status=1
-echo "== 1b. a C++ exception from nvcc-compiled code, by host compiler"
-timeout 400 "$PY" scripts/gpu_throw_probe.py || status=1
-echo "== 2. replay on CUDA: ResNet-18, batch 32, 64 px, full mode at 0.123 GB"
-out=$(mktemp -d)
+stage() { echo "== $1 [$(date +%T)]"; }
+stage "nvidia-smi"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || status=1
+"$PY" -c 'import torch, highspy, monet_like; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' || exit 1
+stage "1. ResNet-50, batch 184, 224 px: profiled and solved on CUDA at 10 GB (normal), replayed"
+r50=("torchvision.models.resnet50()" 184 10 normal HIGHS --input_shape 3,224,224 --device cuda)
+timeout 300 "$PY" solve.py "${r50[@]}" --time_limit 90 --no_zoo --output "$out/r50_cuda_10.json" --force \
+  && timeout 180 "$PY" schedule.py "${r50[@]}" --solution_file "$out/r50_cuda_10.json" \
+       --run_bs --check_diff --check_runtime --iterations 10 || status=1
+stage "2. replay on CUDA: ResNet-18, batch 32, 64 px, full mode at 0.123 GB"
 timeout 300 "$PY" solve.py "torchvision.models.resnet18()" 32 0.123 inplace_conv_multiway_newnode HIGHS \
     --input_shape 3,64,64 --device cuda --time_limit 60 --no_zoo --output "$out/gpu.json" --force || status=1
 timeout 120 "$PY" schedule.py "torchvision.models.resnet18()" 32 0.123 inplace_conv_multiway_newnode HIGHS \
     --input_shape 3,64,64 --device cuda --solution_file "$out/gpu.json" --run_bs --check_diff || status=1
-echo "== 2b. where the replay's memory goes; TF32 on and off"
+stage "2b. where the replay's memory goes; TF32 on and off"
 timeout 120 "$PY" scripts/gpu_replay_probe.py "$out/gpu.json" || status=1
-echo "== 3. zoo entries"
+stage "3. the zoo's ResNet-50 (184) normal 5 GB schedule, profiled on the CPU, replayed on CUDA"
+timeout 150 "$PY" schedule.py "torchvision.models.resnet50()" 184 5 normal HIGHS --input_shape 3,224,224 \
+    --device cuda --solution_file zoo:solution_resnet50_184_normal_5 --run_bs --check_runtime || status=1
+stage "4. CUDA kernels"
+timeout 300 "$PY" -m pytest -q -n0 tests/test_cuda_build.py -p no:cacheprovider || status=1
+if [ "${GPU_CHECK_THROW_PROBE:-0}" = 1 ]; then
+  stage "4b. a C++ exception from nvcc-compiled code, by host compiler"
+  timeout 400 "$PY" scripts/gpu_throw_probe.py || status=1
+fi
+stage "5. zoo entries"
 timeout 120 "$PY" -m monet_like zoo verify || status=1
-echo "== gpu_check exit $status"
+stage "gpu_check exit $status"
 exit $status

@@ -128,7 +128,9 @@ def cmd_check(args) -> dict:
             )
         # The verdict, against the reference running the replay's kernels: bitwise where
         # those are eager's own, within VARIANT_TOLERANCE where variants or a CPU LSTM run.
-        bitwise = not sol.variants and not runs_native_lstm(model, device)
+        # On CUDA eager is not bitwise equal to itself (atomic adds in pooling and
+        # convolution backward sum in any order), so there the rule is the tolerance.
+        bitwise = not sol.variants and not runs_native_lstm(model, device) and device.type == "cpu"
         rule = "bitwise" if bitwise else f"within {VARIANT_TOLERANCE:g} relative"
         if not bitwise:
             diff = with_float64_ratio(diff, model, x, sol, eager, eager_step, replayed, replay_step)
@@ -155,6 +157,8 @@ def cmd_check(args) -> dict:
                     out = net(x)
                 default_loss(out).backward()
                 del out
+                if device.type == "cuda":  # backward returns before its kernels end
+                    torch.cuda.synchronize(device)
                 times[name].append(time.perf_counter() - t0)
         eager_s = statistics.median(times["eager"][1:])
         sched_s = statistics.median(times["schedule"][1:])
