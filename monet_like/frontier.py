@@ -70,7 +70,7 @@ def frontier(
     budgets_bytes: tuple[int, ...] = (),
     activation_fractions: tuple[float, ...] = (),
     and_smallest: bool = False,
-    frees: bool = False,
+    frees: bool | None = None,
     peers: bool = True,
     predict_batch: int | None = None,
     repeats: int = 5,
@@ -92,8 +92,9 @@ def frontier(
             activation memory (its peak above `fixed_bytes`).
         and_smallest: with budgets in bytes or activation fractions, also each mode's
             smallest feasible budget.
-        frees: solve with `--frees` (each recomputed value freed after its last reader
-            in the stage: smaller budgets reachable, slower solves).
+        frees: as `solve.py --frees` (True: each recomputed value freed after its last
+            reader from the start; smaller budgets reachable, slower solves), `--no_frees`
+            (False), or neither (None: tried where they could pay, `solver.solve`).
         peers: also measure the peers (see the module's docstring).
         predict_batch: also monet_like's schedules at this batch, predicted only (for a
             batch too large to run here; the peers are measured at `batch`): at

@@ -63,7 +63,7 @@ def compile_schedule(
     time_limit: float | None = 600.0,
     formulation: str = "compact",
     depth: int | None = None,
-    frees: bool = False,
+    frees: bool | None = None,
     ablation: bool = False,
     input_grad: bool = False,
     outputs_held: bool = True,

@@ -60,7 +60,10 @@ def main() -> None:
     ap.add_argument("--time_limit", type=float, default=120)
     ap.add_argument("--out", default="out")
     ap.add_argument(
-        "--frees", action="store_true", help="compact formulation with frees (solve.py --frees)"
+        "--frees",
+        action="store_true",
+        default=None,
+        help="compact formulation with frees (solve.py --frees)",
     )
     ap.add_argument(
         "--min_budget_time_limit",
@@ -87,7 +90,7 @@ def main() -> None:
 
         def smallest_budget(problem) -> int:
             return min_feasible_budget(
-                problem, DEFAULT_DEPTH, False, "HIGHS", args.min_budget_time_limit, args.frees
+                problem, DEFAULT_DEPTH, False, "HIGHS", args.min_budget_time_limit, bool(args.frees)
             )
 
         for mode in args.modes.split(","):

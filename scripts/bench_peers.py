@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--time_limit", type=float, default=120.0)
     ap.add_argument("--out", default="out/peers")
-    ap.add_argument("--frees", action="store_true", help="solve.py's --frees for each solve")
+    ap.add_argument(
+        "--frees", action="store_true", default=None, help="solve.py's --frees for each solve"
+    )
     ap.add_argument("--write_docs", action="store_true")
     args = ap.parse_args(argv)
     sections = []

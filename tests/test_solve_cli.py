@@ -78,6 +78,11 @@ def test_default_output_name(tmp_path):
     # MONeT's name, with the input shape appended where it is not the model's default.
     name = os.path.basename(report["solution_file"])
     assert name == "solution_resnet18_16_normal_100_3x64x64.json"
+    # Without the frees a schedule can differ from the default one, which tries them.
+    r = run(*MODEL, "100", "normal", "HIGHS", *SMALL, "--output_dir", str(tmp_path), "--no_frees")
+    assert r.returncode == 0, r.stderr
+    name = os.path.basename(last_json(r)["solution_file"])
+    assert name == "solution_resnet18_16_normal_100_3x64x64_nofrees.json"
 
 
 def test_infeasible_budget_exits_2_with_smallest_feasible_budget():
@@ -99,6 +104,7 @@ def test_infeasible_budget_exits_2_with_smallest_feasible_budget():
         ([*MODEL, "5", "normal", "NOSUCH"], "unknown solver"),
         ([*MODEL, "-1", "normal", "CBC"], "positive"),
         ([*MODEL, "5", "turbo", "CBC"], "unknown mode"),
+        ([*MODEL, "5", "normal", "HIGHS", "--frees", "--no_frees"], "not allowed with"),
     ],
 )
 def test_bad_input_is_one_line(args, message):

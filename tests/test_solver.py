@@ -515,6 +515,38 @@ def _profiled(expression: str, shape: tuple, batch: int):
     return graph, prof, build_problem(graph, prof)
 
 
+def test_the_frees_are_tried_from_the_schedule_without_them_where_their_lp_leaves_room(
+    monkeypatch,
+):
+    """FREED at 9 MiB: without the frees the optimum recomputes 5 ms, with them 3 ms
+    (unit 0 freed once unit 1 is back). The default solve's second step, from the first
+    one's schedule, finds the cheaper one; it is not tried where the saving the frees'
+    LP allows is below FREES_WORTH of the store-all step (here 1 s: 50 ms), nor with a
+    solver that takes no start."""
+    budget = 9 * MIB
+    plain = formulate(FREED, DEFAULT_DEPTH, True)
+    first = solve_formulation(plain, budget, "HIGHS", 10)
+    assert first.status == "optimal" and first.objective == pytest.approx(5e-3)
+
+    def refined(solver: str = "HIGHS"):
+        return solver_module._refined_with_frees(
+            FREED, DEFAULT_DEPTH, plain, first.x_bool, budget, solver, 1e-3, False, None, None
+        )
+
+    assert refined() == (None, None)  # 5 ms recomputed: below 5% of the step
+    monkeypatch.setattr(solver_module, "FREES_WORTH", 1e-3)
+    assert refined("CBC") == (None, None)
+    (with_frees, raw, x, peak), tried = refined()
+    assert with_frees.free_plans is not None and raw.status == "optimal"
+    assert float(with_frees.cost @ x) == pytest.approx(3.0) and peak["peak_bytes"] <= budget
+    assert tried["improved"] and tried["cost_ms"] == pytest.approx(5.0)
+    assert tried["lp_bound_ms"] <= 3.0 + 1e-6
+    # Where the frees' LP leaves less than FREES_WORTH below the schedule: not solved.
+    monkeypatch.setattr(solver_module, "FREES_WORTH", (5.0 - tried["lp_bound_ms"]) / 1e3 + 1e-4)
+    none, tried = refined()
+    assert none is None and not tried["improved"]
+
+
 def test_frees_lower_the_compact_formulations_smallest_budget():
     # A GPT block is a chain recomputed whole: holding each recomputed unit to the end
     # of the recomputations costs memory that freeing it after its last reader saves.

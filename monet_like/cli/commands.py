@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     front.add_argument("--solver", default="HIGHS")
     front.add_argument("--time_limit", type=float, default=120.0, help="seconds per solve")
     front.add_argument("--repeats", type=positive_int, default=5, help="timed steps per point")
-    front.add_argument("--frees", action="store_true", help="solve.py's --frees for each solve")
+    front.add_argument(
+        "--frees", action="store_true", default=None, help="solve.py's --frees for each solve"
+    )
     front.add_argument("--no_peers", action="store_true", help="monet_like's schedules only")
     front.add_argument(
         "--outputs_freed",

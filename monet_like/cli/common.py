@@ -141,7 +141,8 @@ def _naming(args) -> dict:
         dtype=str(args.torch_dtype).removeprefix("torch."),
         full=args.formulation == "full" if hasattr(args, "formulation") else False,
         depth=getattr(args, "depth", None),
-        frees=getattr(args, "frees", False),
+        frees=getattr(args, "frees", None) is True,
+        nofrees=getattr(args, "frees", None) is False,  # the default tries them
         ablation=getattr(args, "ablation", False),
         inputgrad=getattr(args, "input_grad", False),
         outputsfreed=getattr(args, "outputs_freed", False),

@@ -66,11 +66,21 @@ def build_solve_parser() -> argparse.ArgumentParser:
         " a candidate and each input freed after its last recomputed reader",
     )
     p.add_argument("--depth", type=positive_int, default=None, help="compact: recompute depth")
-    p.add_argument(
+    frees = p.add_mutually_exclusive_group()
+    frees.add_argument(
         "--frees",
         action="store_true",
+        default=None,
         help="compact: free each recomputed input after its last reader, as the full"
-        " formulation does (smaller budgets reachable; slower solves)",
+        " formulation does, from the start (smaller budgets reachable; slower solves). By"
+        " default they are tried after the solve without them, from its schedule, where"
+        " their LP leaves room to save 5%% of the step",
+    )
+    frees.add_argument(
+        "--no_frees",
+        dest="frees",
+        action="store_false",
+        help="compact: never the frees (the solve without them only)",
     )
     p.add_argument("--input_shape", help="per-sample input shape without batch, e.g. 3,224,224")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
