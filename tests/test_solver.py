@@ -23,6 +23,7 @@ from monet_like.graph import capture
 from monet_like.memory import last_uses
 from monet_like.models import parse_model
 from monet_like.profile import profile
+from monet_like.schedule import finalize
 from monet_like.solution import SolutionFileError, load
 from monet_like.solver import (
     DEFAULT_DEPTH,
@@ -496,9 +497,14 @@ def test_store_all_is_exact_and_compact_is_within_two_percent_of_full(expression
         # Every compact schedule is one of the full formulation's: never below its bound.
         assert compact.objective_s >= full.bound_s - 1e-6
         if expression in LONG_CHAINS:
-            # with the frees tried (the default), no costlier, and still a full schedule
+            # With the frees tried (the default): no costlier, and its schedule, built and
+            # simulated on fake tensors, within the budget. (It can cost less than the
+            # full formulation's bound: the bridges hold values across stages that read
+            # nothing, which the full formulation cannot: UNet at 20%, one profile, 4.32 ms
+            # with them, 5.00 ms without, as the full formulation's optimum.)
             default = solve(graph, prof, budget, solver="HIGHS", time_limit=120)
-            assert full.bound_s - 1e-6 <= default.objective_s <= compact.objective_s + 1e-9
+            assert default.objective_s <= compact.objective_s + 1e-9
+            assert finalize(graph, default, prof) <= budget
         if expression not in LONG_CHAINS:
             # A compact solve stopped by its limit (beside other work) may hold a costlier
             # schedule than its optimum; its bound is what it proves (MobileNetV2 failed
