@@ -67,7 +67,9 @@ def test_solve_writes_a_solution_within_budget(tmp_path, frees):
     sol = load(out)
     assert sol.model == MODEL[0] and sol.batch == 16 and sol.input_shape == (3, 64, 64)
     assert sol.mode == "normal" and sol.solver == "CBC"
-    assert sol.stats["frees"] == bool(frees)
+    # without --frees, the frees only where the default's second solve found a cheaper schedule
+    improved = bool((sol.stats.get("frees_tried") or {}).get("improved"))
+    assert sol.stats["frees"] == (bool(frees) or improved)
 
 
 def test_default_output_name(tmp_path):

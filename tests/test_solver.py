@@ -532,8 +532,8 @@ def test_the_frees_are_tried_from_the_schedule_without_them_where_their_lp_leave
     """FREED at 9 MiB: without the frees the optimum recomputes 5 ms, with them 3 ms
     (unit 0 freed once unit 1 is back). The default solve's second step, from the first
     one's schedule, finds the cheaper one; it is not tried where the saving the frees'
-    LP allows is below FREES_WORTH of the store-all step (here 1 s: 50 ms), nor with a
-    solver that takes no start."""
+    LP allows is below FREES_WORTH of the store-all step (here 1 s: 50 ms). With a
+    solver that takes no start, HiGHS searches from it."""
     budget = 9 * MIB
     plain = formulate(FREED, DEFAULT_DEPTH, True)
     first = solve_formulation(plain, budget, "HIGHS", 10)
@@ -546,7 +546,8 @@ def test_the_frees_are_tried_from_the_schedule_without_them_where_their_lp_leave
 
     assert refined() == (None, None)  # 5 ms recomputed: below 5% of the step
     monkeypatch.setattr(solver_module, "FREES_WORTH", 1e-3)
-    assert refined("CBC") == (None, None)
+    _, through_cbc = refined("CBC")
+    assert through_cbc["improved"] and through_cbc["solver"] == "HIGHS"
     (with_frees, raw, x, peak), tried = refined()
     assert with_frees.free_plans is not None and raw.status == "optimal"
     assert float(with_frees.cost @ x) == pytest.approx(3.0) and peak["peak_bytes"] <= budget

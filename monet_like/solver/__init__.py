@@ -722,16 +722,21 @@ def _refined_with_frees(
     """The compact formulation's schedule `x` improved with the frees (each recomputed
     value freed after its last reader), where they could pay: their LP relaxation at the
     budget must leave room for a saving of at least FREES_WORTH of the store-all step
-    below `x`'s recomputation. The frees' MILP starts from `x`, so it never returns a
-    costlier schedule. Returns ((formulation, raw result, x, peak) or None, what was
-    tried, for the solution's stats).
+    below `x`'s recomputation. The frees' MILP starts from `x` (HiGHS where `solver`
+    takes no start), so it never returns a costlier schedule. Returns ((formulation,
+    raw result, x, peak) or None, what was tried, for the solution's stats).
 
     On the benchmarks' GPT (dim 256, 8 x 256) at half of eager's activation memory the
     frees lower the recomputation from 84.8 to 51.7 ms (their LP: 16.5 ms); on ResNet-50
     (16 x 128 px) at 50% and 35% their LP is within 6.6 and 36.9 ms of the optimum
     without them (a step of 831 ms), and 300 s of HiGHS with them found nothing cheaper."""
+    # From the schedule in hand, so that it never returns a costlier one: with a solver
+    # that takes no start (cylp's CBC, Gurobi through cvxpy), HiGHS searches, as the
+    # smallest-budget search does.
     if solver not in STARTABLE:
-        return None, None  # a search without the start could return a costlier schedule
+        if importlib.util.find_spec("highspy") is None:
+            return None, None
+        solver = "HIGHS"
     cost_ms = float(f.cost @ x)
     step_ms = problem.store_all_time_s * 1e3
     if cost_ms < FREES_WORTH * step_ms or (
@@ -745,7 +750,7 @@ def _refined_with_frees(
     if not solved:
         return None, {"lp_bound_ms": None, "seconds": time.perf_counter() - t0}
     bound_ms = float(h.getInfo().objective_function_value)
-    tried = {"cost_ms": cost_ms, "lp_bound_ms": bound_ms, "improved": False}
+    tried = {"cost_ms": cost_ms, "lp_bound_ms": bound_ms, "improved": False, "solver": solver}
     start = carried_over(x, f, with_frees)
     if cost_ms - bound_ms < FREES_WORTH * step_ms or not is_feasible(
         with_frees, start, budget_bytes
