@@ -575,10 +575,13 @@ def test_frees_lower_the_compact_formulations_smallest_budget():
     known = remembered_least_peak(with_frees)
     assert known is not None and evaluate(with_frees, known)["peak_bytes"] == freed
     assert not sol.stats["start"].startswith("least-peak search"), sol.stats["start"]
-    # Without the frees the same budget is out of reach, and the message says why.
+    # Without the frees (--no_frees) the same budget is out of reach, and the message
+    # says why; by default (frees=None) the solve then takes them.
     with pytest.raises(InfeasibleBudget, match="--frees") as without:
-        solve(graph, prof, freed, solver="HIGHS", time_limit=120)
+        solve(graph, prof, freed, solver="HIGHS", time_limit=120, frees=False)
     assert without.value.min_budget_bytes == pytest.approx(held, rel=2e-3)
+    default = solve(graph, prof, freed, solver="HIGHS", time_limit=30)
+    assert default.stats["frees"] and default.predicted_peak_bytes <= freed
 
 
 def test_a_least_peak_schedule_is_found_again_by_a_formulation_with_its_rows(
@@ -688,8 +691,13 @@ def test_no_least_peak_search_for_a_start_where_the_lp_proves_the_budget_infeasi
     monkeypatch.setattr(cuts_module, "solved_relaxation", counted_lp)
     monkeypatch.setattr(solver_module, "solve_formulation", counted_milp)
     with pytest.raises(InfeasibleBudget):
-        solve(graph, prof, below, solver="HIGHS", time_limit=30)
+        solve(graph, prof, below, solver="HIGHS", time_limit=30, frees=False)
     assert lps.count(below) == 1 and below not in milps, (lps, milps)
+    # By default, one LP more: the frees' relaxation, infeasible too, before the error.
+    lps.clear()
+    with pytest.raises(InfeasibleBudget):
+        solve(graph, prof, below, solver="HIGHS", time_limit=30)
+    assert lps.count(below) == 2 and below not in milps, (lps, milps)
 
 
 def test_the_smallest_budget_search_starts_from_the_greedy_schedule_where_it_is_lower(
