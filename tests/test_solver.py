@@ -1401,13 +1401,12 @@ def test_a_solver_needs_only_its_own_binding(monkeypatch):
         check_solver("HIGHS")
 
 
-def test_highs_keeps_the_cheaper_incumbent_it_reported_over_the_columns_it_hands_back(
-    monkeypatch,
-):
-    """Stopped with a start, HiGHS 1.16 handed back the start's columns while its
-    callback had reported a cheaper schedule (ResNet-50 with the frees: 179.2 against
-    162.9 ms). Here HiGHS is made to hand back the start (5 ms on FREED at 9 MiB with the
-    frees): the search returns the 3 ms schedule its callback reported."""
+def test_a_highs_search_reports_the_cost_of_the_columns_it_hands_back(monkeypatch):
+    """HiGHS's objective figure can be off the columns it hands back (with the frees on
+    ResNet-50, 16 x 128 px: 162.9 ms said, the start's 179.2 ms handed back). Here HiGHS
+    is made to hand back the start (5 ms on FREED at 9 MiB with the frees) after finding
+    the 3 ms schedule: the search's objective, which the races compare, is the 5 ms the
+    columns cost."""
     plain = formulate(FREED, DEFAULT_DEPTH, True)
     with_frees = formulate(FREED, DEFAULT_DEPTH, True, frees=True)
     budget = 9 * MIB
@@ -1433,6 +1432,4 @@ def test_highs_keeps_the_cheaper_incumbent_it_reported_over_the_columns_it_hands
     found = highs_module._highs_search(
         with_frees, rhs, 10, 1e-3, False, False, start, None, 0, None, None
     )
-    assert float(with_frees.cost @ start) == pytest.approx(5.0)
-    assert float(with_frees.cost @ found.x) == pytest.approx(3.0) == found.objective
-    assert is_feasible(with_frees, found.x, budget)
+    assert float(with_frees.cost @ found.x) == pytest.approx(5.0) == found.objective
