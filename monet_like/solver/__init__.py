@@ -563,6 +563,8 @@ def _solve(
         return _store_all(problem, base)
 
     check_solver(solver)
+    # None: the frees left to the solve (tried after it, or where nothing fits without)
+    auto_frees = frees is None and formulation == "compact" and not ablation
     # The compact formulation's smallest budget is an upper bound on the true one.
     frees = frees and formulation == "compact" and not ablation
     whose = _whose_smallest(frees, formulation, ablation)
@@ -604,8 +606,7 @@ def _solve(
         """With the frees left to the solve (the default), a budget that no schedule
         fits without them is solved with them where their LP relaxation allows it (the
         benchmarks' GPT: 0.1007 GB with them, 0.1398 GB without); else the error."""
-        auto = frees is None and formulation == "compact" and not ablation
-        if auto and importlib.util.find_spec("highspy") is not None:
+        if auto_frees and importlib.util.find_spec("highspy") is not None:
             with_frees = formulate(problem, depth, allow_recompute=True, frees=True)
             if not relaxation_infeasible(with_frees, budget_bytes):
                 if progress is not None:
@@ -658,7 +659,7 @@ def _solve(
             + ("" if solver == "HIGHS" else " or use HIGHS")
         )
     frees_tried = None
-    if frees is None and f.free_plans is None and formulation == "compact" and not ablation:
+    if auto_frees:
         deadline = None if time_limit is None else started + time_limit
         refined, frees_tried = _refined_with_frees(
             problem, depth, f, x, budget_bytes, solver, gap, verbose, progress, deadline
@@ -753,9 +754,9 @@ def _refined_with_frees(
     # From the schedule in hand, so that it never returns a costlier one: with a solver
     # that takes no start (cylp's CBC, Gurobi through cvxpy), HiGHS searches, as the
     # smallest-budget search does.
+    if importlib.util.find_spec("highspy") is None:
+        return None, None  # the frees' LP below is HiGHS's
     if solver not in STARTABLE:
-        if importlib.util.find_spec("highspy") is None:
-            return None, None
         solver = "HIGHS"
     cost_ms = float(f.cost @ x)
     step_ms = problem.store_all_time_s * 1e3
