@@ -16,7 +16,7 @@ and a unit holding a random op (dropout) is never recomputed: the solver keeps i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -223,11 +223,93 @@ def _no_autocast():
     return stack
 
 
-class _Plan(NamedTuple):
-    node: torch.fx.Node
-    slots: tuple | None  # (is a tensor key, key or constant) per positional argument
-    kwargs: dict
-    version: dict[str, int]  # version read of each input node (the general path)
+class _Program:
+    """Python source for steps [start, stop) of a schedule, compiled once.
+
+    Each value is a local variable; a free is `del`, so a step costs one call and no
+    lookups (the replay's Python cost is paid on every training step). Values from
+    earlier segments are read from `env` at the top, and those alive at the end are
+    stored back into it."""
+
+    def __init__(self, executor: Executor, start: int, stop: int, handed: set, hooked: bool):
+        s = executor.schedule
+        self.names: dict = {}  # (fx name, version) -> local
+        self.globals: dict = {}
+        lines = []
+        created = {(s.steps[k].node, s.steps[k].version) for k in range(start, stop)}
+        loaded: set = set()
+        for k in range(start, stop):
+            for key in s.steps[k].reads:
+                if key not in created and key not in loaded:
+                    loaded.add(key)
+                    lines.append(f"{self._local(key)} = env[{self._const(key)}]")
+        freed_here: set = set()
+        for k in range(start, stop):
+            step = s.steps[k]
+            node = executor.fx_nodes[step.node]
+            version = dict(step.reads)
+            protect = step.version != ORIGINAL and executor.writes_buffers(node)
+
+            buffers = executor.buffer_names if protect else set()
+            call = ", ".join(
+                [self._expr(a, version, buffers) for a in node.args]
+                + [f"{name}={self._expr(a, version)}" for name, a in node.kwargs.items()]
+            )
+            target = self._const(node.target)
+            again = "" if step.version == ORIGINAL else f", recomputed for stage {step.version}"
+            local = self._local((step.node, step.version))
+            lines.append(f"{local} = {target}({call})  # {step.node}{again}")
+            if hooked:
+                lines.append(f"hook({k})")
+            for key in s.free_after[k]:
+                local = self._local(key)
+                if key in handed:
+                    lines.append(f"handed_out[{self._const(key)}] = {local}")
+                if key in loaded:
+                    lines.append(f"env.pop({self._const(key)}, None)")
+                lines.append(f"del {local}")
+                freed_here.add(key)
+        for key in created - freed_here:
+            lines.append(f"env[{self._const(key)}] = {self._local(key)}")
+        body = "".join(f"    {line}\n" for line in lines) or "    pass\n"
+        source = f"def segment(env, handed_out, hook):\n{body}"
+        self.globals["_clone"] = _clone
+        exec(compile(source, f"<schedule steps {start}-{stop}>", "exec"), self.globals)
+        self.run = self.globals["segment"]
+        self.source = source
+
+    def _expr(self, a, version: dict, buffers: set = frozenset()) -> str:
+        """Source for argument `a`: a local for a node (a copy for a buffer in
+        `buffers`), a global for a constant, literals for the containers holding nodes."""
+        if isinstance(a, torch.fx.Node):
+            local = self._local((a.name, version[a.name]))
+            return f"_clone({local})" if a.name in buffers else local
+        if not _holds_node(a):
+            return self._const(a)
+        if isinstance(a, (list, tuple)):
+            items = "".join(f"{self._expr(b, version)}, " for b in a)
+            return f"[{items}]" if isinstance(a, list) else f"({items})"
+        if isinstance(a, dict):
+            items = ", ".join(f"{self._const(k)}: {self._expr(b, version)}" for k, b in a.items())
+            return f"{{{items}}}"
+        if isinstance(a, slice):
+            parts = (self._expr(b, version) for b in (a.start, a.stop, a.step))
+            return f"slice({', '.join(parts)})"
+        raise ScheduleError(f"an op takes an argument of type {type(a).__name__} holding values")
+
+    def _local(self, key) -> str:
+        return self.names.setdefault(key, f"v{len(self.names)}")
+
+    def _const(self, value) -> str:
+        if value is None or isinstance(value, bool):
+            return repr(value)
+        name = f"c{len(self.globals)}"
+        self.globals[name] = value
+        return name
+
+
+def _clone(a):
+    return None if a is None else a.clone()
 
 
 def _holds_node(value) -> bool:
@@ -245,77 +327,27 @@ class Executor:
         self.on_step = None  # called after each step with its index (simulation hooks in)
         first = schedule.n_params
         self.buffer_names = set(schedule.placeholders[first : first + schedule.n_buffers])
-        # Each step's call, laid out once: the replay's Python cost per op is then one
-        # lookup per tensor argument (it is paid on every training step).
-        self._plans = [self._plan(step) for step in schedule.steps]
+        self._programs: dict = {}
 
-    def _plan(self, step: Step) -> _Plan:
-        node = self.fx_nodes[step.node]
-        version = dict(step.reads)
-        kwarg_nodes: list = []
-        torch.fx.node.map_arg(node.kwargs, kwarg_nodes.append)
-        nested = [a for a in node.args if isinstance(a, (list, tuple)) and _holds_node(a)]
-        if nested or kwarg_nodes:  # tensors inside lists (cat) or keywords: general path
-            return _Plan(node, None, {}, version)
-        slots = tuple(
-            (True, (a.name, version[a.name])) if isinstance(a, torch.fx.Node) else (False, a)
-            for a in node.args
-        )
-        return _Plan(node, slots, dict(node.kwargs), version)
-
-    def _run_step(self, k: int, env: dict) -> None:
-        step, plan = self.schedule.steps[k], self._plans[k]
-
-        def load(key):
-            if key not in env:
-                raise ScheduleError(f"{step.node} reads {key[0]} (version {key[1]}), freed")
-            return env[key]
-
-        if plan.slots is not None:
-            args = tuple(load(v) if is_key else v for is_key, v in plan.slots)
-            kwargs = plan.kwargs
-        else:
-
-            def load_node(a):
-                return load((a.name, plan.version[a.name])) if isinstance(a, torch.fx.Node) else a
-
-            args = torch.fx.node.map_aggregate(plan.node.args, load_node)
-            kwargs = torch.fx.node.map_aggregate(plan.node.kwargs, load_node)
-        if step.version != ORIGINAL:
-            args = self._protect_buffers(plan.node, args)
-        env[(step.node, step.version)] = plan.node.target(*args, **kwargs)
-
-    def _protect_buffers(self, node, args):
-        """A recomputed op must not write buffers (BatchNorm's running statistics): give
-        it copies. `native_batch_norm` writes its running stats without declaring it in
-        its schema, so it is named here; other ops are caught by their schema."""
+    def writes_buffers(self, node: torch.fx.Node) -> bool:
+        """Whether the op may write a buffer it reads (BatchNorm's running statistics):
+        recomputed, it is given copies. `native_batch_norm` writes its running stats
+        without declaring it in its schema, so it is named here; other ops are caught
+        by their schema."""
         schema = getattr(node.target, "_schema", None)
         name = getattr(node.target, "__name__", "").split(".")[0]
-        if not (name in RUNNING_STAT_WRITERS or (schema is not None and schema.is_mutable)):
-            return args
-        return tuple(
-            a.clone()
-            if isinstance(src, torch.fx.Node) and src.name in self.buffer_names and a is not None
-            else a
-            for a, src in zip(args, node.args, strict=False)
-        ) + tuple(args[len(node.args) :])
+        return name in RUNNING_STAT_WRITERS or (schema is not None and schema.is_mutable)
 
     def run(self, env: dict, start: int, stop: int, handed_out: dict | None = None) -> None:
         """Run steps [start, stop). Values in `handed_out` are stored there before our
         own reference to them is dropped (the model's outputs go to the user)."""
+        handed = frozenset(handed_out or ())
+        hooked = self.on_step is not None
+        key = (start, stop, handed, hooked)
+        if key not in self._programs:
+            self._programs[key] = _Program(self, start, stop, handed, hooked)
         with _no_autocast():  # the graph's ops are post-autocast: its casts are steps
-            self._run(env, start, stop, handed_out)
-
-    def _run(self, env: dict, start: int, stop: int, handed_out: dict | None) -> None:
-        for k in range(start, stop):
-            self._run_step(k, env)
-            if self.on_step is not None:
-                self.on_step(k)
-            for key in self.schedule.free_after[k]:
-                if handed_out is not None and key in handed_out:
-                    handed_out[key] = env.pop(key, None)
-                else:
-                    env.pop(key, None)  # bind nothing: a local would keep it alive a step
+            self._programs[key].run(env, handed_out, self.on_step)
 
     def constant_values(self) -> list[torch.Tensor]:
         """The tensor constants the traced module holds, in `schedule.constants` order."""
