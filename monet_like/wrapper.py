@@ -13,6 +13,7 @@ with `--input_grad` also gives the input its gradient when it requires grad.
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -128,6 +129,17 @@ class ScheduleWrapper(nn.Module):
         s = self._schedule
         x_name = s.placeholders[s.n_params + s.n_buffers]
         self._input_dtype = next(n.meta["val"].dtype for n in s.fx.graph.nodes if n.name == x_name)
+
+    def __deepcopy__(self, memo: dict) -> ScheduleWrapper:
+        """A copy with its own model (an EMA copy, a second replica); the graph, schedule
+        and executor, plans read only, are shared (deep-copying the traced module
+        recurses past Python's limit)."""
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        shared = ("_graph", "_schedule", "_executor")
+        for name, value in self.__dict__.items():
+            clone.__dict__[name] = value if name in shared else copy.deepcopy(value, memo)
+        return clone
 
     @property
     def graph(self):

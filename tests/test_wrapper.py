@@ -301,3 +301,23 @@ def test_training_steps_match_eager_over_several_iterations(resnet_solution):
             opt.step()
     for p, q in zip(eager.parameters(), replayed.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_a_deep_copy_trains_its_own_parameters_as_the_original(resnet_solution):
+    path, model, sol = resnet_solution
+    wrapped = ScheduleWrapper(copy.deepcopy(model), path, (3, 64, 64))
+    twin = copy.deepcopy(wrapped)  # an EMA copy, a replica
+    ours = list(wrapped.parameters())
+    assert len(ours) == len(list(twin.parameters()))
+    assert all(
+        p is not q and torch.equal(p, q) for p, q in zip(ours, twin.parameters(), strict=True)
+    )
+    counted = int(wrapped.model.bn1.num_batches_tracked)
+    x = torch.randn(16, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    for net in (wrapped, twin):
+        default_loss(net(x)).backward()
+    for p, q in zip(ours, twin.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert (
+        twin.model.bn1.num_batches_tracked == wrapped.model.bn1.num_batches_tracked == counted + 1
+    )
