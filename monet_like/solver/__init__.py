@@ -176,7 +176,9 @@ def _min_budget(
         plain_peak = evaluate(plain, start)["peak_bytes"]
         f = formulate(problem, depth, allow_recompute=True, frees=True)
         if frees is None:
-            if relaxation_infeasible(f, (1 - FREES_SMALLEST_GAIN) * plain_peak):
+            left = 60.0 if deadline is None else min(60.0, deadline - time.perf_counter())
+            lower = (1 - FREES_SMALLEST_GAIN) * plain_peak
+            if left < 1.0 or relaxation_infeasible(f, lower, time_limit=left):
                 return plain_peak
             if deadline is not None:
                 deadline = min(deadline, time.perf_counter() + FREES_SMALLEST_SHARE * time_limit)
