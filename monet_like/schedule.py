@@ -231,7 +231,9 @@ class _Program:
     earlier segments are read from `env` at the top, and those alive at the end are
     stored back into it."""
 
-    def __init__(self, executor: Executor, start: int, stop: int, handed: set, hooked: bool):
+    def __init__(
+        self, executor: Executor, start: int, stop: int, handed: frozenset, hooked: bool
+    ) -> None:
         s = executor.schedule
         self.names: dict = {}  # (fx name, version) -> local
         self.globals: dict = {}
@@ -249,7 +251,6 @@ class _Program:
             node = executor.fx_nodes[step.node]
             version = dict(step.reads)
             protect = step.version != ORIGINAL and executor.writes_buffers(node)
-
             buffers = executor.buffer_names if protect else set()
             call = ", ".join(
                 [self._expr(a, version, buffers) for a in node.args]
