@@ -586,8 +586,14 @@ def _solve(
         return _store_all(problem, base)
 
     check_solver(solver)
-    # None: the frees left to the solve (tried after it, or where nothing fits without)
-    auto_frees = frees is None and formulation == "compact" and not ablation
+    # None: the frees left to the solve (tried after it, or where nothing fits without);
+    # their LP is HiGHS's
+    auto_frees = (
+        frees is None
+        and formulation == "compact"
+        and not ablation
+        and importlib.util.find_spec("highspy") is not None
+    )
     # The compact formulation's smallest budget is an upper bound on the true one.
     frees = frees and formulation == "compact" and not ablation
     whose = _whose_smallest(frees, formulation, ablation)
@@ -629,7 +635,7 @@ def _solve(
         """With the frees left to the solve (the default), a budget that no schedule
         fits without them is solved with them where their LP relaxation allows it (the
         benchmarks' GPT: 0.1007 GB with them, 0.1398 GB without); else the error."""
-        if auto_frees and importlib.util.find_spec("highspy") is not None:
+        if auto_frees:
             with_frees = formulate(problem, depth, allow_recompute=True, frees=True)
             if not relaxation_infeasible(with_frees, budget_bytes):
                 if progress is not None:
@@ -649,7 +655,7 @@ def _solve(
     if start is None and known_infeasible(f, budget_bytes):
         # the LP relaxation (the cuts' or the start's) proved it: no MILP to run
         return none_fits()
-    if start is None and auto_frees and importlib.util.find_spec("highspy") is not None:
+    if start is None and auto_frees:
         # Near the smallest budget without the frees: the MILP seldom finds a schedule
         # there (the GPT's full mode at 0.1397 GB: none in 120 s), and with them the
         # least-peak start reaches far lower. Every schedule is one with the frees.
