@@ -389,6 +389,39 @@ def test_every_solution_fits_its_budget(resnet18, resnet18_full_low, fraction):
     assert sol.fingerprint == graph.fingerprint and len(sol.keep) == len(problem.units)
 
 
+def test_a_graph_whose_lp_bound_cannot_beat_the_schedule_in_hand_is_not_solved(resnet18):
+    """Given the predicted step of a schedule in hand (another graph's), `_solve` raises
+    `_CannotWin` before its MILP where the graph's fastest step plus its LP relaxation's
+    recomputation is no less; the bound is a true one (at most the optimum), and one
+    above the optimum never stops the solve. With the frees left to the solve (the
+    default) the bound is their LP's, no higher than the one without them."""
+    graph, prof, problem = resnet18
+    budget = between(problem.fixed_bytes, problem, 0.85)
+    options = dict(
+        mode="normal", solver="HIGHS", time_limit=60.0, formulation="compact", depth=None,
+        ablation=False, gap=1e-4, verbose=False, progress=None, reference=None,
+    )  # fmt: skip
+
+    def solved(beat_s=None, frees=None):
+        return solver_module._solve(
+            graph, prof, budget, problem=problem, beat_s=beat_s, frees=frees, **options
+        )
+
+    optimum = solved()
+    assert optimum.status == "optimal"
+    fastest = solver_module._fastest_step_s(problem)
+    assert optimum.predicted_time_s > fastest  # recomputation needed: the LP sees some
+    again = solved(beat_s=optimum.predicted_time_s + 1e-9)
+    assert again.predicted_time_s == pytest.approx(optimum.predicted_time_s)
+    bounds = {}
+    for frees in (None, False):
+        with pytest.raises(solver_module._CannotWin) as stopped:
+            solved(beat_s=fastest, frees=frees)
+        bounds[frees] = stopped.value.bound_s
+        assert fastest < bounds[frees] <= optimum.predicted_time_s + 1e-9
+    assert bounds[None] <= bounds[False]
+
+
 def test_budget_above_store_all_returns_store_all_without_solving(resnet18):
     graph, prof, problem = resnet18
     sol = solve(graph, prof, problem.store_all_peak_bytes + 1, solver="HIGHS")

@@ -613,6 +613,7 @@ def test_a_graph_whose_fastest_step_cannot_win_is_not_solved(monkeypatch, conv_b
         assert fastest >= skipping.predicted_time_s
     assert any(line.startswith("not solving the captured graph") for line in lines)
     monkeypatch.setattr(solver_module, "_fastest_step_s", lambda _problem: float("-inf"))
+    monkeypatch.setattr(solver_module, "_step_lower_bound_s", lambda *_args: None)
     every = solve(graph, prof, 2**30, mode=FULL, baseline=baseline)
     assert "not_solved" not in every.extra
     assert every.predicted_time_s == skipping.predicted_time_s
