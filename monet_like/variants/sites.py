@@ -12,16 +12,26 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from monet_like.graph import BACKWARD, Graph, written_args
 
+# Each fake value's storage key, computed once: the rewrites build `Uses` anew after each
+# change (49 times for ResNet-50's BatchNorm backwards), over values that mostly stay.
+_STORAGE_KEYS = WeakIdKeyDictionary()
+
+
+def _storage_key(t: torch.Tensor) -> StorageWeakRef:
+    key = _STORAGE_KEYS.get(t)
+    if key is None:
+        key = _STORAGE_KEYS[t] = StorageWeakRef(t.untyped_storage())
+    return key
+
 
 def _keys(value: Any) -> list[StorageWeakRef]:
-    return [
-        StorageWeakRef(t.untyped_storage())
-        for t in tree_flatten(value)[0]
-        if isinstance(t, torch.Tensor)
-    ]
+    if isinstance(value, torch.Tensor):
+        return [_storage_key(value)]
+    return [_storage_key(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
 class Uses:
@@ -34,20 +44,20 @@ class Uses:
         self.placeholder_keys: set[StorageWeakRef] = set()
         phase = {op.name: op.phase for op in graph.ops}
         self.backward: set[str] = set()
+        keys: dict[torch.fx.Node, list[StorageWeakRef]] = {}  # each node's, once
         for i, n in enumerate(gm.graph.nodes):
             self.position[n.name] = i
+            keys[n] = _keys(n.meta.get("val"))
             if n.op == "placeholder":
-                self.placeholder_keys.update(_keys(n.meta.get("val")))
+                self.placeholder_keys.update(keys[n])
                 continue
-            if n.op == "output":
-                for k in _keys([a.meta.get("val") for a in n.all_input_nodes]):
-                    self.touches.setdefault(k, []).append(i)
-                continue
-            parent = n.args[0].name if is_getitem(n) else n.name
-            if phase.get(parent) == BACKWARD:
-                self.backward.add(n.name)
-            vals = [a.meta.get("val") for a in n.all_input_nodes] + [n.meta.get("val")]
-            for k in set(_keys(vals)):
+            touched = {k for a in n.all_input_nodes for k in keys[a]}
+            if n.op != "output":
+                parent = n.args[0].name if is_getitem(n) else n.name
+                if phase.get(parent) == BACKWARD:
+                    self.backward.add(n.name)
+                touched.update(keys[n])
+            for k in touched:
                 self.touches.setdefault(k, []).append(i)
 
     def key(self, node: torch.fx.Node) -> StorageWeakRef:
