@@ -2,7 +2,7 @@
 
     python scripts/bench_time_to_schedule.py [--model "torchvision.models.resnet50()"]
         [--batch 184] [--budget 10] [--mode inplace_conv_multiway_newnode] [--solver CBC]
-        [--unit_batch 8]
+        [--unit_batch 8] [--keep DIR]
 
 The README's headline command, stage by stage, as `solve.py --no_zoo` runs it: first
 with an empty profile cache (cold), then again with the profiles it cached (warm).
@@ -16,6 +16,7 @@ the solve.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -53,7 +54,14 @@ def stages(model, shape, batch, budget, mode, solver) -> dict[str, float]:
     captured_at = time.perf_counter()
     profile_graphs(model, captured, graph, lines=False, progress=lambda line: print(f"  {line}"))
     profiled_at = time.perf_counter()
-    compiled = compile_schedule(model, shape, batch, budget, mode, solver, time_limit=600)
+    solve_started = time.perf_counter()
+
+    def line(text: str) -> None:  # the solve's own lines, timed from its start
+        print(f"    {time.perf_counter() - solve_started:6.1f} s {text}", flush=True)
+
+    compiled = compile_schedule(
+        model, shape, batch, budget, mode, solver, time_limit=600, progress=line
+    )
     done = time.perf_counter()
     sol = compiled.solution
     print(
@@ -76,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="inplace_conv_multiway_newnode")
     ap.add_argument("--solver", default="CBC")
     ap.add_argument("--unit_batch", type=int, default=8)
+    ap.add_argument(
+        "--keep", metavar="DIR", help="profile into DIR and keep it (default: a temporary one)"
+    )
     args = ap.parse_args(argv)
     spec = parse_model(args.model)
     torch.manual_seed(0)
@@ -84,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     budget = int(args.budget * GIB)
     units = [eager_step_seconds(model, shape, args.unit_batch)]
     print(f"unit: one eager step at batch {args.unit_batch}, {units[0]:.2f} s")
-    with tempfile.TemporaryDirectory() as cache:
+    if args.keep and os.path.exists(os.path.join(args.keep, "profiles")):
+        ap.error(f"{args.keep} holds profiles already: the cold run needs an empty cache")
+    with (
+        tempfile.TemporaryDirectory()
+        if not args.keep
+        else contextlib.nullcontext(args.keep) as cache
+    ):
         os.environ["MONET_LIKE_CACHE"] = cache  # cold: nothing cached, the zoo's profiles
         import monet_like.profile as profile_module  # not read either
 
