@@ -34,6 +34,7 @@ in the cache folder): the heuristics above rarely reach such a budget.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io
 import time
 from pathlib import Path
@@ -279,8 +280,12 @@ def keep_back(f: Formulation, x: np.ndarray, budget_bytes: int) -> np.ndarray:
 def reschedule(f: Formulation, x: np.ndarray, budget_bytes: int, solver: str) -> np.ndarray:
     """`x` with its kept units pinned and the rest (recomputations, what is held from
     stage to stage, variant and algorithm choices) re-solved by the MILP; `x` itself
-    where that finds nothing cheaper within `RESCHEDULE_TIME_LIMIT`."""
-    solver = solver if solver in ("HIGHS", "CBC") else "HIGHS"
+    where that finds nothing cheaper within `RESCHEDULE_TIME_LIMIT`. HiGHS where it is
+    installed, whichever `solver` the MILP has: it takes `x` as its start, where CBC
+    searches from nothing (ResNet-50 at 184, 10 GB, full mode: 0.6 s against CBC's
+    2.8 s, the same schedule)."""
+    if importlib.util.find_spec("highspy") is not None or solver not in ("HIGHS", "CBC"):
+        solver = "HIGHS"
     pins = (f.keep, x[f.keep])
     raw = solve_formulation(
         f, budget_bytes, solver, RESCHEDULE_TIME_LIMIT, start=x, pins=pins, workers=1
