@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         "--keep", metavar="DIR", help="profile into DIR and keep it (default: a temporary one)"
     )
     args = ap.parse_args(argv)
+    if args.keep and os.path.exists(os.path.join(args.keep, "profiles")):
+        ap.error(f"{args.keep} holds profiles already: the cold run needs an empty cache")
     spec = parse_model(args.model)
     torch.manual_seed(0)
     model = spec.build("cpu")
@@ -95,8 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     budget = int(args.budget * GIB)
     units = [eager_step_seconds(model, shape, args.unit_batch)]
     print(f"unit: one eager step at batch {args.unit_batch}, {units[0]:.2f} s")
-    if args.keep and os.path.exists(os.path.join(args.keep, "profiles")):
-        ap.error(f"{args.keep} holds profiles already: the cold run needs an empty cache")
     with (
         tempfile.TemporaryDirectory()
         if not args.keep
