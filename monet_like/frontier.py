@@ -131,41 +131,57 @@ def frontier(
     if activation_fractions:
         budgets_bytes = tuple(int(fixed + f * (peaks[eager] - fixed)) for f in activation_fractions)
 
-    folder = Path(tempfile.mkdtemp(prefix="monet_like_frontier_"))
-    for mode in modes:
-        low = None
-        points = [("budget", b) for b in budgets_bytes] or [("fraction", f) for f in fractions]
-        if budgets_bytes and and_smallest:
-            points.append(("fraction", 0.0))
-        for kind, value in points:
-            key_args = {"budget_bytes": value} if kind == "budget" else {"budget_fraction": value}
-            try:
-                compiled = compile_schedule(
-                    model, input_shape, batch, mode=mode, solver=solver, device=device,
-                    min_budget_bytes=low, time_limit=time_limit, frees=frees,
-                    outputs_held=outputs_held,
-                    output=folder / f"{mode}_{kind}_{value}.json", **key_args,
-                )  # fmt: skip
-            except UserError as exc:  # infeasible, or stopped by the time limit: said
-                where = f"budget {value / GIB:.4f} GB" if kind == "budget" else f"{kind} {value}"
-                say(f"monet_like {mode}, {where}: no schedule ({exc})")
-                continue
-            low = compiled.min_budget_bytes
-            sol = compiled.solution
-            key = (f"monet_like {mode}", f"budget {sol.budget_bytes / GIB:.4f} GB")
-            if key in steps:  # budgets within 0.0001 GB: told apart, not one replaced
-                key = (key[0], f"budget {sol.budget_bytes / GIB:.9f} GB")
-            if key in steps:
-                say(f"{key[0]}, {key[1]}: the same budget as an earlier point, measured once")
-                continue
-            wrapped = ScheduleWrapper(model, folder / f"{mode}_{kind}_{value}.json", input_shape)
-            steps[key] = _step(wrapped, x, model, outputs_held)
-            peaks[key] = measured_peak(wrapped, x)
-            predicted[key] = (sol.predicted_peak_bytes, sol.overhead)
-            say(
-                f"{key[0]}, {key[1]}: predicted {sol.predicted_peak_bytes / GIB:.4f} GB"
-                f" {sol.overhead:+.2%}, measured {peaks[key] / GIB:.4f} GB"
-            )
+    # Schedule files are read once (ScheduleWrapper, or not run at all) and removed with
+    # the folder.
+    with tempfile.TemporaryDirectory(prefix="monet_like_frontier_") as temporary:
+        folder = Path(temporary)
+        for mode in modes:
+            low = None
+            points = [("budget", b) for b in budgets_bytes] or [("fraction", f) for f in fractions]
+            if budgets_bytes and and_smallest:
+                points.append(("fraction", 0.0))
+            for kind, value in points:
+                key_args = (
+                    {"budget_bytes": value} if kind == "budget" else {"budget_fraction": value}
+                )
+                try:
+                    compiled = compile_schedule(
+                        model, input_shape, batch, mode=mode, solver=solver, device=device,
+                        min_budget_bytes=low, time_limit=time_limit, frees=frees,
+                        outputs_held=outputs_held,
+                        output=folder / f"{mode}_{kind}_{value}.json", **key_args,
+                    )  # fmt: skip
+                except UserError as exc:  # infeasible, or stopped by the time limit: said
+                    where = (
+                        f"budget {value / GIB:.4f} GB" if kind == "budget" else f"{kind} {value}"
+                    )
+                    say(f"monet_like {mode}, {where}: no schedule ({exc})")
+                    continue
+                low = compiled.min_budget_bytes
+                sol = compiled.solution
+                key = (f"monet_like {mode}", f"budget {sol.budget_bytes / GIB:.4f} GB")
+                if key in steps:  # budgets within 0.0001 GB: told apart, not one replaced
+                    key = (key[0], f"budget {sol.budget_bytes / GIB:.9f} GB")
+                if key in steps:
+                    say(f"{key[0]}, {key[1]}: the same budget as an earlier point, measured once")
+                    continue
+                wrapped = ScheduleWrapper(
+                    model, folder / f"{mode}_{kind}_{value}.json", input_shape
+                )
+                steps[key] = _step(wrapped, x, model, outputs_held)
+                peaks[key] = measured_peak(wrapped, x)
+                predicted[key] = (sol.predicted_peak_bytes, sol.overhead)
+                say(
+                    f"{key[0]}, {key[1]}: predicted {sol.predicted_peak_bytes / GIB:.4f} GB"
+                    f" {sol.overhead:+.2%}, measured {peaks[key] / GIB:.4f} GB"
+                )
+        at_predict_batch = []
+        if predict_batch is not None:
+            at_predict_batch = _predicted_points(
+                model, input_shape, predict_batch, modes, fractions, activation_fractions,
+                solver, frees, time_limit, device, folder, say, outputs_held,
+            )  # fmt: skip
+
     if peers:
         for key, build, note in _peers(model):
             try:
@@ -180,13 +196,6 @@ def frontier(
                 continue
             notes[key] = note
             say(f"{key[0]}, {key[1]}: measured {peaks[key] / GIB:.4f} GB")
-
-    at_predict_batch = []
-    if predict_batch is not None:
-        at_predict_batch = _predicted_points(
-            model, input_shape, predict_batch, modes, fractions, activation_fractions, solver,
-            frees, time_limit, device, folder, say, outputs_held,
-        )  # fmt: skip
 
     say(f"timing {len(steps)} points round-robin, {repeats} steps each after a warm-up")
     times = _interleaved_times(steps, repeats)

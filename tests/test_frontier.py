@@ -71,15 +71,22 @@ def test_frontier_bad_input_is_one_line(args, message):
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
-def test_a_batch_too_large_to_run_is_predicted_beside_the_measured_one(tmp_path):
+def test_a_batch_too_large_to_run_is_predicted_beside_the_measured_one(tmp_path, monkeypatch):
     """With predict_batch, monet_like's schedules at that batch are compiled but not run:
     their points say so, hold the prediction itself as fractions of the predicted
-    store-all step, and the table, CSV and plot keep them apart from measured points."""
+    store-all step, and the table, CSV and plot keep them apart from measured points.
+    The schedule files the frontier replays from leave nothing in the temporary folder."""
+    import tempfile
+
     from monet_like.pipeline import compile_schedule
 
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     model = sequential_net()
     points = frontier(model, (3, 16, 16), 4, fractions=(1.0, 0.0), peers=False, repeats=1,
                       predict_batch=16, time_limit=60)  # fmt: skip
+    assert not list(temporary.glob("monet_like_frontier_*"))
     measured = [p for p in points if p.basis == "measured"]
     predicted = [p for p in points if p.basis != "measured"]
     assert [p.tool for p in measured] == ["eager", "monet_like normal", "monet_like normal"]
