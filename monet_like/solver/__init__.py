@@ -439,23 +439,27 @@ def _step_lower_bound_s(
     budget_bytes: int,
     frees_too: bool,
     time_limit: float | None,
+    beat_s: float,
 ) -> float | None:
     """A lower bound on the predicted step of any schedule `_solve` can return for
     `problem` at `budget_bytes`: its fastest step plus the LP relaxation's recomputation
     (the cuts' LP, cuts included; None where none was solved). Where the solve may end
     with the frees (`frees_too`), their LP's, which is lower (their schedules include
-    the others)."""
+    the others). That LP is solved only where the plain bound reaches `beat_s`: below
+    it the graph may win either way, and the plain figure returned says only that."""
     lp_s = cut_stats.get("lp_after_s")
     if lp_s is None:
         return None
-    if frees_too:
+    bound_s = _fastest_step_s(problem) + lp_s
+    if frees_too and bound_s >= beat_s:
         with_frees = formulate(problem, depth, allow_recompute=True, frees=True)
         lp_limit = 60.0 if time_limit is None else max(1.0, min(60.0, 0.1 * time_limit))
         h, solved = solved_relaxation(with_frees, budget_bytes, lp_limit)
         if not solved:
             return None
-        lp_s = min(lp_s, float(h.getInfo().objective_function_value) * 1e-3)
-    return _fastest_step_s(problem) + lp_s
+        frees_lp_s = float(h.getInfo().objective_function_value) * 1e-3
+        bound_s = _fastest_step_s(problem) + min(lp_s, frees_lp_s)
+    return bound_s
 
 
 def _fastest_step_s(problem: Problem) -> float:
@@ -672,7 +676,7 @@ def _solve(
             progress(_cuts_line(cut_stats))
     if beat_s is not None:
         bound_s = _step_lower_bound_s(
-            problem, depth, cut_stats, budget_bytes, auto_frees, time_limit
+            problem, depth, cut_stats, budget_bytes, auto_frees, time_limit, beat_s
         )
         if bound_s is not None and bound_s >= beat_s:
             raise _CannotWin(bound_s)
