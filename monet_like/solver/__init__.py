@@ -450,16 +450,15 @@ def _step_lower_bound_s(
     lp_s = cut_stats.get("lp_after_s")
     if lp_s is None:
         return None
-    bound_s = _fastest_step_s(problem) + lp_s
-    if frees_too and bound_s >= beat_s:
+    fastest_s = _fastest_step_s(problem)
+    if frees_too and fastest_s + lp_s >= beat_s:
         with_frees = formulate(problem, depth, allow_recompute=True, frees=True)
         lp_limit = 60.0 if time_limit is None else max(1.0, min(60.0, 0.1 * time_limit))
         h, solved = solved_relaxation(with_frees, budget_bytes, lp_limit)
         if not solved:
             return None
-        frees_lp_s = float(h.getInfo().objective_function_value) * 1e-3
-        bound_s = _fastest_step_s(problem) + min(lp_s, frees_lp_s)
-    return bound_s
+        lp_s = min(lp_s, float(h.getInfo().objective_function_value) * 1e-3)
+    return fastest_s + lp_s
 
 
 def _fastest_step_s(problem: Problem) -> float:
