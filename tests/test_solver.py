@@ -5,7 +5,10 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -53,6 +56,7 @@ from monet_like.solver.start import (
 from monet_like.units import GIB, gb_at_least
 
 MIB = 2**20
+ROOT = Path(__file__).resolve().parents[1]
 SOLVERS = ["HIGHS", "CBC", "PULP"]
 
 
@@ -1301,6 +1305,73 @@ def test_highs_stopped_without_a_schedule_keeps_its_bound(monkeypatch):
     assert raw.bound == pytest.approx(4.001)  # the best bound of the two, ms to s
     budget = highs._solve_highs(None, None, 1, 1e-3, False, True, None, None, workers=2)
     assert budget.bound is None  # a bound on memory, not on recomputation
+
+
+def test_a_highs_search_past_its_time_limit_is_stopped_with_its_last_schedule(monkeypatch):
+    """HiGHS 1.16 ran over 14 minutes on a 118 s limit (in a restart's presolve, which
+    polls neither its clock nor our interrupt): a whole-problem search runs forked and
+    watched, and one still running after the limit and the grace is killed; the last
+    schedule it told counts. Made to hang here: it tells a schedule, then ignores its
+    stop."""
+    from monet_like.solver.backends import highs
+    from monet_like.solver.race import RACE_GRACE_S
+
+    f = formulate(CHAIN, DEFAULT_DEPTH)
+    budget = 100 * MIB
+    real = solve_formulation(f, budget, "HIGHS", time_limit=30, progress=(lines := []).append)
+    assert real.status == "optimal" and lines, "a watched search's lines reach the caller"
+
+    def hangs(f_, rhs, time_limit, gap, verbose, minimize_budget, start, pins, seed, progress,
+              stop, found):  # fmt: skip
+        found(highs._HighsOutcome("feasible", real.x_bool.astype(np.int8), 1.0, 0.5, "", 0.1, 0))
+        progress("a schedule told before the hang")
+        while True:  # deaf to `stop`, as HiGHS's presolve is
+            time.sleep(0.05)
+
+    monkeypatch.setattr(highs, "_highs_search", hangs)
+    said = []
+    started = time.perf_counter()
+    raw = highs._solve_highs(f, _rhs_for(f, budget), 1, 1e-3, False, False, None, said.append)
+    took = time.perf_counter() - started
+    assert 1 + RACE_GRACE_S - 0.5 < took < 1 + RACE_GRACE_S + 10
+    assert raw.status == "feasible" and np.array_equal(raw.x_bool, real.x_bool)
+    assert raw.objective == pytest.approx(real.objective)  # the columns' own cost
+    assert said[0] == "a schedule told before the hang"
+    assert said[-1].startswith("HiGHS (random seed 0) ran past its time limit: stopped")
+
+
+def test_a_highs_search_in_a_forked_process_runs_where_highs_ran_here_on_threads():
+    """HiGHS's thread pool is global: a fork copies it without its worker threads, and a
+    search there waited on them for ever where this process had run HiGHS on two threads
+    or more (its default on 4 cores or more), as the racers and the watched searches do.
+    In its own process, so that the pool this test makes is no other test's."""
+    code = (
+        "import multiprocessing as mp, sys, highspy\n"
+        "import monet_like.solver.backends.highs\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from test_solver import _market_split\n"
+        "def search(send):\n"
+        "    h = highspy.Highs()\n"
+        "    for option, value in [('output_flag', False), ('threads', 2), ('time_limit', 2.0)]:\n"
+        "        h.setOptionValue(option, value)\n"
+        "    _market_split(h)\n"
+        "    h.run()\n"
+        "    send.send(h.modelStatusToString(h.getModelStatus()))\n"
+        "here, there = mp.Pipe(False)\n"
+        "search(there)\n"
+        "print('here:', here.recv())\n"
+        "child = mp.get_context('fork').Process(target=search, args=(there,), daemon=True)\n"
+        "child.start()\n"
+        "print('forked:', here.recv() if here.poll(60) else 'no answer in 60 s')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=ROOT,
+        env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "here: Time limit reached" in r.stdout, r.stdout
+    assert "forked: Time limit reached" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("cbc_stops", [False, True])

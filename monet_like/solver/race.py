@@ -14,6 +14,11 @@ in CPU seconds, which fall behind the clock when other work shares the cores, so
 deadline each racer still running gets a SIGINT, which CBC takes as the end of its
 search (its schedule and bound are kept). Racers ignore SIGINT otherwise: a Ctrl-C
 reaches this process too, which stops them.
+
+A search that can run past its own limit in code that polls nothing (HiGHS 1.16 in a
+restart's presolve: over 14 minutes on a 118 s limit) races the same way, watched:
+it tells this process what it finds as it goes (`tell`), takes a SIGINT as its stop,
+and is killed once the grace after the deadline is over, what it told kept.
 """
 
 from __future__ import annotations
@@ -75,30 +80,41 @@ def signals_held() -> Iterator[Callable[[], bool] | None]:
             previous[signum](signum, frame)  # KeyboardInterrupt, or the CLI's Terminated
 
 
-def _start(ctx, run: Callable[[int, Any], Any], seed: int, racers: list[_Racer]) -> None:
+def _start(ctx, run: Callable[..., Any], seed: int, racers: list[_Racer], heard=None) -> None:
     """A racer started and listed, so that a signal delivered once the fork is over
     finds it in `racers` to be stopped."""
     with signals_held():  # a signal that comes while it forks is raised after
-        racers.append(_Racer(ctx, run, seed))
+        racers.append(_Racer(ctx, run, seed, heard))
+
+
+_SAID, _ANSWER = "said", "answer"  # what comes through a racer's pipe
 
 
 class _Racer:
-    def __init__(self, ctx, run: Callable[[int, Any], Any], seed: int) -> None:
+    def __init__(self, ctx, run, seed: int, heard=None) -> None:
+        self.seed, self.heard = seed, heard
         self.outcome = None
         self.done = False
         self.pipe, send = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_race, args=(run, seed, send), daemon=True)
+        talks = heard is not None
+        self.process = ctx.Process(target=_race, args=(run, seed, send, talks), daemon=True)
         self.process.start()
         send.close()  # ours: the pipe then reads EOF if the racer dies without an answer
 
     def finished(self, wait_s: float = 0.0) -> bool:
-        """Whether the racer has sent its answer (read into `outcome`)."""
-        if not self.done and self.pipe.poll(wait_s):
-            self.done = True
+        """Whether the racer has sent its answer (read into `outcome`), waiting up to
+        `wait_s` for it; what it told on the way is handed to `heard`."""
+        until = time.perf_counter() + wait_s
+        while not self.done and self.pipe.poll(max(0.0, until - time.perf_counter())):
             try:
-                self.outcome = self.pipe.recv()
+                kind, payload = self.pipe.recv()
             except (EOFError, OSError):  # it died (killed, out of memory): no answer
-                self.outcome = None
+                self.done = True
+                break
+            if kind == _SAID:
+                self.heard(self.seed, payload)
+            else:
+                self.done, self.outcome = True, payload
         return self.outcome is not None
 
     def interrupt(self) -> None:
@@ -115,35 +131,51 @@ class _Racer:
         self.pipe.close()
 
 
-def _race(run: Callable[[int, Any], Any], seed: int, send) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only a solve in progress stops at one
+def _race(run: Callable[..., Any], seed: int, send, talks: bool) -> None:
     # The parent stops a racer with SIGTERM; a Python handler inherited from it would
     # wait for the solver's C code to return: die at once instead.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        send.send(run(seed, None))
+        if talks:  # a SIGINT is its stop (the deadline's, or the user's Ctrl-C)
+            interrupted: list[int] = []
+            signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
+            answer = run(seed, lambda: bool(interrupted), lambda m: send.send((_SAID, m)))
+        else:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # only a solve in progress stops
+            answer = run(seed, None)
+        send.send((_ANSWER, answer))
     finally:
         send.close()
 
 
 def race(
-    run: Callable[[int, Callable[[], bool] | None], Any],
+    run: Callable[..., Any],
     workers: int,
     proved: Callable[[Any], bool],
     interruptible: bool = True,
     deadline: float | None = None,
+    heard: Callable[[int, Any], None] | None = None,
 ) -> list[Any]:
     """`run(seed, stop)` solves with that seed, polling `stop()` (None: never stopped)
     and returns its outcome; `proved(outcome)` says whether it finished its search
     (then the other racers are not waited for). Returns the outcomes received, this
     process's first. Not `interruptible`: every seed runs in a forked process; the
     outcomes come back in seed order (a racer that died has none), and at `deadline`
-    (a `time.perf_counter()` value) those still running are sent SIGINT."""
-    if workers <= 1 or "fork" not in mp.get_all_start_methods():
+    (a `time.perf_counter()` value) those still running are sent SIGINT.
+
+    With `heard`, every seed is watched: it runs in a forked process, even alone, as
+    `run(seed, stop, tell)`; each `tell(message)` reaches `heard(seed, message)` here
+    as it comes; `stop()` says whether a SIGINT came (at `deadline`); one that has not
+    answered `RACE_GRACE_S` after the deadline is killed and has no outcome."""
+    # a racer is a daemon process, and those may not fork: one watched there runs in it
+    forks = "fork" in mp.get_all_start_methods() and not mp.current_process().daemon
+    if heard is not None and not forks:
+        return [run(0, None, lambda message: heard(0, message))]
+    if heard is None and (workers <= 1 or not forks):
         return [run(0, None)]
     ctx = mp.get_context("fork")
-    if not interruptible:
-        return _race_forked(ctx, run, workers, proved, deadline)
+    if not interruptible or heard is not None:
+        return _race_forked(ctx, run, workers, proved, deadline, heard)
     racers: list[_Racer] = []
 
     def a_racer_proved() -> bool:
@@ -165,31 +197,34 @@ def race(
             r.stop()
 
 
-def _race_forked(ctx, run, workers: int, proved, deadline: float | None) -> list[Any]:
+def _race_forked(ctx, run, workers: int, proved, deadline: float | None, heard=None) -> list:
     """Every seed in a forked process; this one waits until one has proved its answer
-    or all have stopped: at `deadline` those still running are interrupted, and those
-    that have not answered `RACE_GRACE_S` later are left out."""
+    or all have stopped: at `deadline` those still running are interrupted (again each
+    quiet second: a racer outside CBC ignores it), and those that have not answered
+    `RACE_GRACE_S` later are left out."""
     racers: list[_Racer] = []
     interrupted = False
     try:
         for seed in range(workers):
-            _start(ctx, run, seed, racers)
+            _start(ctx, run, seed, racers, heard)
         while True:
             waiting = [r for r in racers if not r.done]
             if not waiting:
                 break
             timeout = None
             if deadline is not None:
-                # once interrupted, again each second: a racer outside CBC ignores it
-                until = deadline + RACE_GRACE_S if interrupted else deadline
-                timeout = max(0.0, until - time.perf_counter())
-                timeout = min(1.0, timeout) if interrupted else timeout
-            if not wait([r.pipe for r in waiting], timeout):
-                if interrupted and time.perf_counter() >= deadline + RACE_GRACE_S:
+                now = time.perf_counter()
+                if now >= deadline + RACE_GRACE_S:
                     break
-                for r in waiting:
-                    r.interrupt()
-                interrupted = True
+                if now >= deadline and not interrupted:
+                    for r in waiting:
+                        r.interrupt()
+                    interrupted = True
+                timeout = min(1.0, deadline + RACE_GRACE_S - now) if interrupted else deadline - now
+            if not wait([r.pipe for r in waiting], timeout):
+                if interrupted:
+                    for r in waiting:
+                        r.interrupt()
                 continue
             if any(r.finished() and proved(r.outcome) for r in waiting):
                 break

@@ -4,6 +4,8 @@ of a fixed schedule."""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,9 +15,22 @@ import scipy.sparse as sp
 
 from monet_like.solver.backends import RawResult, _finish, relative_gap
 from monet_like.solver.formulation import MIB, MS, Formulation, _budget_column, _rhs_for
-from monet_like.solver.race import available_cores, race, signals_held
+from monet_like.solver.race import RACE_GRACE_S, available_cores, race, signals_held
 from monet_like.streams import silenced
 from monet_like.units import GIB
+
+
+def _fresh_thread_pool() -> None:
+    """In a forked process: HiGHS's thread pool is global, and the fork copied it without
+    its worker threads, so a search there waited on them for ever wherever the parent had
+    run HiGHS on two threads or more (its default on 4 cores or more: half of them). The
+    copy is dropped without waiting on them; the next run makes a pool of its own."""
+    highspy = sys.modules.get("highspy")  # not imported: no pool to drop
+    if highspy is not None:
+        highspy.Highs.resetGlobalScheduler(False)
+
+
+os.register_at_fork(after_in_child=_fresh_thread_pool)  # the racers and watched searches
 
 
 def _binary_bounds(n_bool: int, fixed=None, pins=None) -> tuple[np.ndarray, np.ndarray]:
@@ -138,9 +153,11 @@ def race_workers(f: Formulation) -> int:
 
 
 def _highs_search(
-    f, rhs, time_limit, gap, verbose, minimize_budget, start, pins, seed, progress, stop
-) -> _HighsOutcome:
-    """One HiGHS search with random seed `seed`; `stop()` (polled) interrupts it."""
+    f, rhs, time_limit, gap, verbose, minimize_budget, start, pins, seed, progress, stop,
+    found=None,
+) -> _HighsOutcome:  # fmt: skip
+    """One HiGHS search with random seed `seed`; `stop()` (polled) interrupts it;
+    `found(outcome)` receives each improved schedule as a "feasible" outcome."""
     import highspy
 
     h = _highs_model(f, rhs, minimize_budget, pins=pins)
@@ -160,6 +177,11 @@ def _highs_search(
         out = event.data_out
         if first[0] is None:
             first[0] = time.perf_counter() - started
+        if found is not None:
+            x = np.round(np.asarray(out.mip_solution[:n_b])).astype(np.int8)
+            value = out.objective_function_value if minimize_budget else float(f.cost @ x)
+            bound = out.mip_dual_bound if np.isfinite(out.mip_dual_bound) else -np.inf
+            found(_HighsOutcome("feasible", x, value, bound, "", first[0], seed))
         if progress is None:
             return
         bound = out.mip_dual_bound
@@ -220,7 +242,17 @@ def _solve_highs(
 ):
     """HiGHS through highspy (cvxpy's interface takes no start and reports no progress),
     `workers` searches raced with different seeds: the first to finish wins; stopped by
-    the time limit, the best schedule and the best bound of all count."""
+    the time limit, the best schedule and the best bound of all count.
+
+    A whole problem with a time limit is searched in forked processes, watched (see
+    race.py): HiGHS does not look at its limit everywhere (a restart's presolve ran past
+    it for minutes), so a search still running `RACE_GRACE_S` after the limit is killed
+    and the last schedule it found kept. Windows (`pins`) are small and many: a fork
+    each would cost more than they do, so they run here."""
+    if time_limit and pins is None:
+        return _solve_highs_watched(
+            f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, workers
+        )
 
     def run(seed, stop):
         return _highs_search(
@@ -229,6 +261,52 @@ def _solve_highs(
         )  # fmt: skip
 
     outcomes = race(run, workers, lambda o: o.status in ("optimal", "infeasible"))
+    return _merged(f, outcomes, gap, minimize_budget, progress)
+
+
+def _solve_highs_watched(
+    f, rhs, time_limit, gap, verbose, minimize_budget, start, progress, workers
+) -> RawResult:
+    """`_solve_highs` with every search forked and watched: their progress lines and
+    schedules come through the race's pipes; a search left out past its limit counts
+    with the last schedule it told."""
+    last: dict[int, _HighsOutcome] = {}
+
+    def heard(seed: int, message) -> None:
+        kind, value = message
+        if kind == "line":
+            progress(value)
+        else:  # its columns came as int8 (an eighth of the bytes through the pipe)
+            value.x = value.x.astype(int)
+            last[seed] = value
+
+    def run(seed, stop, tell):
+        return _highs_search(
+            f, rhs, time_limit, gap, verbose, minimize_budget, start, None, seed,
+            (lambda line: tell(("line", line))) if seed == 0 and progress else None, stop,
+            lambda outcome: tell(("schedule", outcome)),
+        )  # fmt: skip
+
+    def proved(o: _HighsOutcome) -> bool:
+        return o.status in ("optimal", "infeasible")
+
+    deadline = time.perf_counter() + time_limit
+    workers = max(1, workers)
+    outcomes = race(run, workers, proved, deadline=deadline, heard=heard)
+    answered = {o.seed for o in outcomes}
+    if not any(proved(o) for o in outcomes):
+        for seed in sorted(set(range(workers)) - answered):
+            left = last.get(seed) or _HighsOutcome("stopped", None, np.inf, -np.inf, "", None, seed)
+            left.message = f"still running {RACE_GRACE_S:.0f} s past its time limit: stopped"
+            outcomes.append(left)
+            if progress is not None:
+                kept = "its last schedule kept" if left.x is not None else "no schedule found"
+                progress(f"HiGHS (random seed {seed}) ran past its time limit: stopped, {kept}")
+    return _merged(f, outcomes, gap, minimize_budget, progress)
+
+
+def _merged(f, outcomes: list[_HighsOutcome], gap, minimize_budget, progress) -> RawResult:
+    """One result from the raced searches' outcomes."""
     if any(o.status == "infeasible" for o in outcomes):
         return RawResult("infeasible", None, None, None, None, 0.0, "HIGHS")
     found = [o for o in outcomes if o.x is not None]
