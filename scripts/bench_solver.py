@@ -10,7 +10,12 @@ seconds). Writes a CSV and a PNG.
 
     python scripts/bench_solver.py [--models resnet50,googlenet,...] [--budgets 10,9,8,7,6,5]
         [--solvers HIGHS,CBC] [--mode normal] [--time_limit 600] [--formulation compact]
-        [--out out/]
+        [--profiles 1] [--out out/]
+
+With `--profiles N` (N > 1) each model is profiled N times afresh (the cache neither
+read nor written) and every budget solved on each profile: a table then gives, per
+budget and solver, the median and the worst solve time and gap over the profiles, and
+how many were proved (a solve's time and proof move with the profile's noise).
 
 With a mode other than `normal` (e.g. `inplace_conv_multiway_newnode`, the full mode)
 the graph is rewritten with the mode's variants and profiled so, and the MILP of that
@@ -52,9 +57,12 @@ def main() -> None:
     ap.add_argument("--time_limit", type=float, default=600)
     ap.add_argument("--formulation", default="compact")
     ap.add_argument("--mode", default="normal")
+    ap.add_argument("--profiles", type=int, default=1, help="fresh profiles per model")
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     parse_mode(args.mode)  # a bad mode fails before any capture or profiling
+    if args.profiles < 1:
+        ap.error("--profiles must be at least 1")
     os.makedirs(args.out, exist_ok=True)
 
     rows = []
@@ -62,83 +70,14 @@ def main() -> None:
         expression, shape, batch, profile_batch = MODELS[name]
         model = parse_model(expression).build("cpu")
         graph = apply_variants(capture(model, shape, batch, model_name=expression), args.mode)
-        t0 = time.perf_counter()
-        prof = profile(model, graph, profile_batch=profile_batch, progress=False)
-        print(
-            f"\n{name} batch {batch}, mode {args.mode}: {len(graph.nodes)} nodes;"
-            f" profiled at batch {profile_batch} in {time.perf_counter() - t0:.0f} s"
-            f"{' (cached)' if prof.cached else ''}"
-        )
-        print(
-            f"{'GB':>4s} {'solver':>6s} {'vars':>7s} {'cons':>7s} {'status':>10s} {'gap':>7s}"
-            f" {'first s':>8s} {'solve s':>8s} {'peak GB':>8s} {'overhead':>9s}"
-            f" {'start (recompute s)':>24s} {'recompute s':>11s}"
-        )
-        for budget in (float(b) for b in args.budgets.split(",")):
-            for solver in args.solvers.split(","):
-                row = {
-                    "model": name,
-                    "batch": batch,
-                    "mode": args.mode,
-                    "budget_gb": budget,
-                    "solver": solver,
-                }
-                try:
-                    sol = solve(
-                        graph,
-                        prof,
-                        int(budget * GIB),
-                        solver=solver,
-                        time_limit=args.time_limit,
-                        formulation=args.formulation,
-                        mode=args.mode,
-                    )
-                    row.update(
-                        status=sol.status,
-                        variables=sol.stats.get("variables", 0),
-                        constraints=sol.stats.get("constraints", 0),
-                        gap=sol.gap,
-                        first_feasible_s=sol.stats.get("first_feasible_s"),
-                        start=sol.stats.get("start"),
-                        start_recompute_s=sol.stats.get("start_objective_s"),
-                        recompute_s=sol.objective_s,
-                        solve_s=sol.solve_time_s,
-                        peak_gb=sol.predicted_peak_bytes / GIB,
-                        overhead=sol.overhead,
-                    )
-                except InfeasibleBudget as exc:
-                    row.update(status="infeasible", min_budget_gb=exc.min_budget_bytes / GIB)
-                except UserError as exc:  # a time-limited solve with nothing in the budget
-                    row.update(status="no schedule", message=str(exc))
-                rows.append(row)
-                if row["status"] == "infeasible":
-                    print(
-                        f"{budget:4g} {solver:>6s} infeasible: smallest feasible budget "
-                        f"{row['min_budget_gb']:.2f} GB"
-                    )
-                    continue
-                if row["status"] == "no schedule":
-                    print(f"{budget:4g} {solver:>6s} {row['message']}")
-                    continue
-                gap = "n/a" if row["gap"] is None else f"{row['gap']:.2%}"
-                first = row["first_feasible_s"]
-                first = "n/a" if first is None else f"{first:.1f}"
-                start = (
-                    "none"
-                    if row.get("start") is None
-                    else f"{row['start']} ({row['start_recompute_s']:.3f})"
-                )
-                print(
-                    f"{budget:4g} {solver:>6s} {row['variables']:7d} {row['constraints']:7d}"
-                    f" {row['status']:>10s} {gap:>7s} {first:>8s} {row['solve_s']:8.1f}"
-                    f" {row['peak_gb']:8.3f} {row['overhead']:+9.2%}"
-                    f" {start:>24s} {row['recompute_s']:11.3f}",
-                    flush=True,
-                )
+        for k in range(args.profiles):
+            rows += solved_on_a_profile(args, name, model, graph, batch, profile_batch, k)
 
     df = pd.DataFrame(rows)
     csv = os.path.join(args.out, "bench_solver.csv")
     df.to_csv(csv, index=False)
+    if args.profiles > 1:
+        print_across_profiles(df)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,6 +86,7 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ok = df[df["status"].isin(["optimal", "feasible", "store-all"])]
     for (name, solver), g in ok.groupby(["model", "solver"]):
+        g = g.groupby("budget_gb", as_index=False)["overhead"].median()  # over the profiles
         ax.plot(g["budget_gb"], 100 * g["overhead"], marker="o", label=f"{name} {solver}")
     ax.set_xlabel("budget (GB)")
     ax.set_ylabel("predicted overhead vs store-all (%)")
@@ -156,6 +96,107 @@ def main() -> None:
     png = os.path.join(args.out, "bench_solver.png")
     fig.savefig(png, dpi=120)
     print(f"\nwrote {csv} and {png}")
+
+
+def print_across_profiles(df: pd.DataFrame) -> None:
+    """Per model, budget and solver: solve time and gap over the profiles, median and
+    worst, and how many of the solves were proved."""
+    print("\nacross profiles: solve s and gap, median / worst; proved of solved")
+    print(f"{'model':>12s} {'GB':>4s} {'solver':>6s} {'solve s':>15s} {'gap':>17s} {'proved':>7s}")
+    solved = df[df["status"].isin(["optimal", "feasible"])]
+    for (name, budget, solver), g in solved.groupby(["model", "budget_gb", "solver"]):
+        gaps = g["gap"].dropna()
+        gap = "n/a" if gaps.empty else f"{gaps.median():.2%} / {gaps.max():.2%}"
+        proved = int((g["status"] == "optimal").sum())
+        print(
+            f"{name:>12s} {budget:4g} {solver:>6s}"
+            f" {g['solve_s'].median():6.1f} / {g['solve_s'].max():6.1f} {gap:>17s}"
+            f" {proved:3d} of {len(g)}"
+        )
+
+
+def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> list[dict]:
+    """The rows of one profile (the cached one, or the `k`th fresh one): each budget
+    solved by each solver, printed as they come."""
+    rows = []
+    t0 = time.perf_counter()
+    fresh = args.profiles > 1
+    prof = profile(model, graph, profile_batch=profile_batch, progress=False, use_cache=not fresh)
+    which = f" (profile {k + 1} of {args.profiles})" if fresh else ""
+    print(
+        f"\n{name} batch {batch}, mode {args.mode}{which}: {len(graph.nodes)} nodes;"
+        f" profiled at batch {profile_batch} in {time.perf_counter() - t0:.0f} s"
+        f"{' (cached)' if prof.cached else ''}"
+    )
+    print(
+        f"{'GB':>4s} {'solver':>6s} {'vars':>7s} {'cons':>7s} {'status':>10s} {'gap':>7s}"
+        f" {'first s':>8s} {'solve s':>8s} {'peak GB':>8s} {'overhead':>9s}"
+        f" {'start (recompute s)':>24s} {'recompute s':>11s}"
+    )
+    for budget in (float(b) for b in args.budgets.split(",")):
+        for solver in args.solvers.split(","):
+            row = {
+                "profile": k,
+                "model": name,
+                "batch": batch,
+                "mode": args.mode,
+                "budget_gb": budget,
+                "solver": solver,
+            }
+            try:
+                sol = solve(
+                    graph,
+                    prof,
+                    int(budget * GIB),
+                    solver=solver,
+                    time_limit=args.time_limit,
+                    formulation=args.formulation,
+                    mode=args.mode,
+                )
+                row.update(
+                    status=sol.status,
+                    variables=sol.stats.get("variables", 0),
+                    constraints=sol.stats.get("constraints", 0),
+                    gap=sol.gap,
+                    first_feasible_s=sol.stats.get("first_feasible_s"),
+                    start=sol.stats.get("start"),
+                    start_recompute_s=sol.stats.get("start_objective_s"),
+                    recompute_s=sol.objective_s,
+                    solve_s=sol.solve_time_s,
+                    peak_gb=sol.predicted_peak_bytes / GIB,
+                    overhead=sol.overhead,
+                )
+            except InfeasibleBudget as exc:
+                row.update(status="infeasible", min_budget_gb=exc.min_budget_bytes / GIB)
+            except UserError as exc:  # a time-limited solve with nothing in the budget
+                row.update(status="no schedule", message=str(exc))
+            rows.append(row)
+            if row["status"] == "infeasible":
+                print(
+                    f"{budget:4g} {solver:>6s} infeasible: smallest feasible budget "
+                    f"{row['min_budget_gb']:.2f} GB"
+                )
+                continue
+            if row["status"] == "no schedule":
+                print(f"{budget:4g} {solver:>6s} {row['message']}")
+                continue
+            gap = "n/a" if row["gap"] is None else f"{row['gap']:.2%}"
+            first = row["first_feasible_s"]
+            first = "n/a" if first is None else f"{first:.1f}"
+            start = (
+                "none"
+                if row.get("start") is None
+                else f"{row['start']} ({row['start_recompute_s']:.3f})"
+            )
+            print(
+                f"{budget:4g} {solver:>6s} {row['variables']:7d} {row['constraints']:7d}"
+                f" {row['status']:>10s} {gap:>7s} {first:>8s} {row['solve_s']:8.1f}"
+                f" {row['peak_gb']:8.3f} {row['overhead']:+9.2%}"
+                f" {start:>24s} {row['recompute_s']:11.3f}",
+                flush=True,
+            )
+
+    return rows
 
 
 if __name__ == "__main__":
