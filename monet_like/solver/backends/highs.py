@@ -177,11 +177,14 @@ def _highs_search(
         out = event.data_out
         if first[0] is None:
             first[0] = time.perf_counter() - started
-        if found is not None:
-            x = np.round(np.asarray(out.mip_solution[:n_b])).astype(np.int8)
-            value = out.objective_function_value if minimize_budget else float(f.cost @ x)
+        x = np.round(np.asarray(out.mip_solution[:n_b]))
+        # The schedule's own cost: HiGHS's objective figure can be off its columns (with
+        # the frees on ResNet-50, 16 x 128 px, it said 162.9 ms for the start's 179.2 ms).
+        cost_ms = float(f.cost @ x)
+        if found is not None:  # int8 columns: an eighth of the bytes through a pipe
+            value = out.objective_function_value if minimize_budget else cost_ms
             bound = out.mip_dual_bound if np.isfinite(out.mip_dual_bound) else -np.inf
-            found(_HighsOutcome("feasible", x, value, bound, "", first[0], seed))
+            found(_HighsOutcome("feasible", x.astype(np.int8), value, bound, "", first[0], seed))
         if progress is None:
             return
         bound = out.mip_dual_bound
@@ -194,9 +197,6 @@ def _highs_search(
                 shown[0] = line
                 progress(f"[{out.running_time:6.1f} s] {line}")
             return
-        # The schedule's own cost: HiGHS's objective figure can be off its columns (with
-        # the frees on ResNet-50, 16 x 128 px, it said 162.9 ms for the start's 179.2 ms).
-        cost_ms = float(f.cost @ np.round(np.asarray(out.mip_solution[:n_b])))
         progress(
             f"[{out.running_time:6.1f} s] schedule with {cost_ms * MS:.3f} s of recomputation"
             + (f"; bound {bound * MS:.3f} s, gap {out.mip_gap:.2%}" if known else "")
@@ -260,7 +260,7 @@ def _solve_highs(
             progress if seed == 0 else None, stop,
         )  # fmt: skip
 
-    outcomes = race(run, workers, lambda o: o.status in ("optimal", "infeasible"))
+    outcomes = race(run, workers, _proved)
     return _merged(f, outcomes, gap, minimize_budget, progress)
 
 
@@ -276,7 +276,7 @@ def _solve_highs_watched(
         kind, value = message
         if kind == "line":
             progress(value)
-        else:  # its columns came as int8 (an eighth of the bytes through the pipe)
+        else:  # its columns came as int8
             value.x = value.x.astype(int)
             last[seed] = value
 
@@ -287,14 +287,11 @@ def _solve_highs_watched(
             lambda outcome: tell(("schedule", outcome)),
         )  # fmt: skip
 
-    def proved(o: _HighsOutcome) -> bool:
-        return o.status in ("optimal", "infeasible")
-
     deadline = time.perf_counter() + time_limit
     workers = max(1, workers)
-    outcomes = race(run, workers, proved, deadline=deadline, heard=heard)
+    outcomes = race(run, workers, _proved, deadline=deadline, heard=heard)
     answered = {o.seed for o in outcomes}
-    if not any(proved(o) for o in outcomes):
+    if not any(_proved(o) for o in outcomes):
         for seed in sorted(set(range(workers)) - answered):
             left = last.get(seed) or _HighsOutcome("stopped", None, np.inf, -np.inf, "", None, seed)
             left.message = f"still running {RACE_GRACE_S:.0f} s past its time limit: stopped"
@@ -303,6 +300,11 @@ def _solve_highs_watched(
                 kept = "its last schedule kept" if left.x is not None else "no schedule found"
                 progress(f"HiGHS (random seed {seed}) ran past its time limit: stopped, {kept}")
     return _merged(f, outcomes, gap, minimize_budget, progress)
+
+
+def _proved(o: _HighsOutcome) -> bool:
+    """Whether a search finished (ends a race): its schedule proved, or none exists."""
+    return o.status in ("optimal", "infeasible")
 
 
 def _merged(f, outcomes: list[_HighsOutcome], gap, minimize_budget, progress) -> RawResult:
