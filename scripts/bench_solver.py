@@ -101,17 +101,24 @@ def main() -> None:
 def print_across_profiles(df: pd.DataFrame) -> None:
     """Per model, budget and solver: solve time and gap over the profiles, median and
     worst, and how many of the solves were proved."""
-    print("\nacross profiles: solve s and gap, median / worst; proved of solved")
-    print(f"{'model':>12s} {'GB':>4s} {'solver':>6s} {'solve s':>15s} {'gap':>17s} {'proved':>7s}")
+    print("\nacross profiles: solve s and gap, median / worst; proved of solved; the search")
+    print("before the frees (where they were searched, the status is theirs): proved, its s")
+    print(
+        f"{'model':>12s} {'GB':>4s} {'solver':>6s} {'solve s':>15s} {'gap':>17s} {'proved':>7s}"
+        f" {'frees':>5s} {'before: proved':>14s} {'its s':>15s}"
+    )
     solved = df[df["status"].isin(["optimal", "feasible"])]
     for (name, budget, solver), g in solved.groupby(["model", "budget_gb", "solver"]):
         gaps = g["gap"].dropna()
         gap = "n/a" if gaps.empty else f"{gaps.median():.2%} / {gaps.max():.2%}"
         proved = int((g["status"] == "optimal").sum())
+        first_proved = int((g["first_status"] == "optimal").sum())
         print(
             f"{name:>12s} {budget:4g} {solver:>6s}"
             f" {g['solve_s'].median():6.1f} / {g['solve_s'].max():6.1f} {gap:>17s}"
-            f" {proved:3d} of {len(g)}"
+            f" {proved:3d} of {len(g)} {int(g['frees_improved'].sum()):5d}"
+            f" {first_proved:7d} of {len(g)}"
+            f" {g['first_seconds'].median():6.1f} / {g['first_seconds'].max():6.1f}"
         )
 
 
@@ -165,7 +172,11 @@ def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> li
                     solve_s=sol.solve_time_s,
                     peak_gb=sol.predicted_peak_bytes / GIB,
                     overhead=sol.overhead,
+                    frees_improved=bool((sol.stats.get("frees_tried") or {}).get("improved")),
+                    frees_s=(sol.stats.get("frees_tried") or {}).get("seconds", 0.0),
                 )
+                first = sol.stats.get("first_search") or {}
+                row.update({f"first_{k}": v for k, v in first.items()})
             except InfeasibleBudget as exc:
                 row.update(status="infeasible", min_budget_gb=exc.min_budget_bytes / GIB)
             except UserError as exc:  # a time-limited solve with nothing in the budget
@@ -195,6 +206,16 @@ def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> li
                 f" {start:>24s} {row['recompute_s']:11.3f}",
                 flush=True,
             )
+            if row["frees_improved"] or row["frees_s"] > 1:
+                # the frees were searched after it (their status above where they improved)
+                first_gap = "n/a" if row["first_gap"] is None else f"{row['first_gap']:.2%}"
+                print(
+                    f"{'':>4s} {'':>6s} the frees searched {row['frees_s']:.1f} s"
+                    f" ({'improved' if row['frees_improved'] else 'nothing cheaper'}); the"
+                    f" search before them: {row['first_status']}, gap {first_gap},"
+                    f" {row['first_recompute_s']:.3f} s recomputed,"
+                    f" after {row['first_seconds']:.1f} s"
+                )
 
     return rows
 

@@ -70,6 +70,13 @@ def test_solve_writes_a_solution_within_budget(tmp_path, frees):
     # without --frees, the frees only where the default's second solve found a cheaper schedule
     improved = bool((sol.stats.get("frees_tried") or {}).get("improved"))
     assert sol.stats["frees"] == (bool(frees) or improved)
+    # the search before the frees is recorded on its own: where they improved nothing, it
+    # is the solution's
+    first = sol.stats["first_search"]
+    if not improved:
+        assert first["status"] == sol.status
+        assert first["recompute_s"] == pytest.approx(sol.objective_s, rel=1e-6, abs=1e-9)
+    assert first["seconds"] <= sol.solve_time_s
 
 
 def test_default_output_name(tmp_path):
@@ -132,3 +139,24 @@ def test_input_grad_schedule_checks_against_eager(tmp_path):
     assert check.returncode == 0, check.stderr
     report = last_json(check)
     assert report["max_abs_input_grad_diff"] == 0.0 and report["max_abs_grad_diff"] == 0.0
+
+
+def test_a_gap_of_the_frees_says_how_the_search_before_them_ended():
+    """The frees' formulation has a far weaker LP bound: its gap alone would make a
+    schedule that improves on a proved one read as a poor one."""
+    from types import SimpleNamespace
+
+    from monet_like.cli.solve import _before_frees
+
+    first = {"status": "optimal", "gap": 0.0008, "recompute_s": 6.967, "seconds": 8.1}
+    improved = SimpleNamespace(stats={"frees_tried": {"improved": True}, "first_search": first})
+    line = _before_frees(improved)
+    assert "6.967 s recomputed, proved optimal after 8.1 s" in line and "--no_frees" in line
+    first.update(status="feasible", gap=0.031)
+    assert "left at a 3.10% gap" in _before_frees(improved)
+    first.update(gap=None)
+    assert "left unproved" in _before_frees(improved)
+    # where the frees improved nothing (or were not tried), the gap is the search's own
+    for tried in ({"improved": False}, None):
+        plain = SimpleNamespace(stats={"frees_tried": tried, "first_search": first})
+        assert _before_frees(plain) == ""

@@ -760,6 +760,14 @@ def _solve(
             f"{budget_bytes / GIB:.3f} GB{best}: give it more time (--time_limit)"
             + ("" if solver == "HIGHS" else " or use HIGHS")
         )
+    # the search above, on its own: where the frees improve on its schedule, the
+    # solution's status and gap are theirs, and this says whether it was proved first
+    first_search = {
+        "status": raw.status,
+        "gap": None if raw.gap is None else float(raw.gap),
+        "recompute_s": float(f.cost @ x) * 1e-3,
+        "seconds": time.perf_counter() - started,
+    }
     frees_tried = None
     if auto_frees:
         deadline = None if time_limit is None else started + time_limit
@@ -801,6 +809,7 @@ def _solve(
             "cut_lp_before_s": cut_stats.get("lp_before_s"),
             "cut_lp_after_s": cut_stats.get("lp_after_s"),
             "frees_tried": frees_tried,
+            "first_search": first_search,
         },
         keep=[bool(x[f.keep[u.id]]) for u in problem.units],
         units=[list(u.nodes) for u in problem.units],
