@@ -174,6 +174,7 @@ def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> li
                     overhead=sol.overhead,
                     frees_improved=bool((sol.stats.get("frees_tried") or {}).get("improved")),
                     frees_s=(sol.stats.get("frees_tried") or {}).get("seconds", 0.0),
+                    frees_best_s=(sol.stats.get("frees_tried") or {}).get("best_found_s"),
                 )
                 first = sol.stats.get("first_search") or {}
                 row.update({f"first_{k}": v for k, v in first.items()})
@@ -211,7 +212,12 @@ def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> li
                 first_gap = "n/a" if row["first_gap"] is None else f"{row['first_gap']:.2%}"
                 print(
                     f"{'':>4s} {'':>6s} the frees searched {row['frees_s']:.1f} s"
-                    f" ({'improved' if row['frees_improved'] else 'nothing cheaper'}); the"
+                    + (
+                        f" (improved; its best after {row['frees_best_s']:.1f} s)"
+                        if row["frees_improved"] and row["frees_best_s"] is not None
+                        else f" ({'improved' if row['frees_improved'] else 'nothing cheaper'})"
+                    )
+                    + "; the"
                     f" search before them: {row['first_status']}, gap {first_gap},"
                     f" {row['first_recompute_s']:.3f} s recomputed,"
                     f" after {row['first_seconds']:.1f} s"

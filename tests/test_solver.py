@@ -599,6 +599,7 @@ def test_the_frees_are_tried_from_the_schedule_without_them_where_their_lp_leave
     assert with_frees.free_plans is not None and raw.status == "optimal"
     assert float(with_frees.cost @ x) == pytest.approx(3.0) and peak["peak_bytes"] <= budget
     assert tried["improved"] and tried["cost_ms"] == pytest.approx(5.0)
+    assert 0.0 <= tried["best_found_s"] <= tried["seconds"]  # when the cheaper one came
     assert tried["lp_bound_ms"] <= 3.0 + 1e-6
     # Where the frees' LP leaves less than FREES_WORTH below the schedule: not solved.
     monkeypatch.setattr(solver_module, "FREES_WORTH", (5.0 - tried["lp_bound_ms"]) / 1e3 + 1e-4)

@@ -897,6 +897,8 @@ def _refined_with_frees(
     left = None if deadline is None else max(1.0, deadline - time.perf_counter())
     raw = solve_formulation(with_frees, budget_bytes, solver, left, gap, verbose, start, progress)
     tried["seconds"] = time.perf_counter() - t0
+    # into their search, when its best schedule came: how long the search paid for
+    tried["best_found_s"] = raw.best_found_s
     if raw.x_bool is None or float(with_frees.cost @ raw.x_bool) >= cost_ms - 1e-6:
         if progress is not None:
             progress(f"with the frees: nothing cheaper in {tried['seconds']:.1f} s")

@@ -27,6 +27,7 @@ class RawResult:
     solver: str
     message: str = ""
     first_feasible_s: float | None = None  # when the first schedule within budget was known
+    best_found_s: float | None = None  # when the schedule returned was found (HiGHS only)
 
 
 def relative_gap(objective: float, bound: float | None) -> float | None:
