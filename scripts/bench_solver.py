@@ -172,12 +172,15 @@ def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> li
                     solve_s=sol.solve_time_s,
                     peak_gb=sol.predicted_peak_bytes / GIB,
                     overhead=sol.overhead,
-                    frees_improved=bool((sol.stats.get("frees_tried") or {}).get("improved")),
-                    frees_s=(sol.stats.get("frees_tried") or {}).get("seconds", 0.0),
-                    frees_best_s=(sol.stats.get("frees_tried") or {}).get("best_found_s"),
                 )
-                first = sol.stats.get("first_search") or {}
-                row.update({f"first_{k}": v for k, v in first.items()})
+                tried = sol.stats.get("frees_tried") or {}
+                row.update(
+                    frees_improved=bool(tried.get("improved")),
+                    frees_s=tried.get("seconds", 0.0),
+                    frees_best_s=tried.get("best_found_s"),
+                )
+                before = sol.stats.get("first_search") or {}
+                row.update({f"first_{key}": value for key, value in before.items()})
             except InfeasibleBudget as exc:
                 row.update(status="infeasible", min_budget_gb=exc.min_budget_bytes / GIB)
             except UserError as exc:  # a time-limited solve with nothing in the budget
@@ -210,15 +213,15 @@ def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> li
             if row["frees_improved"] or row["frees_s"] > 1:
                 # the frees were searched after it (their status above where they improved)
                 first_gap = "n/a" if row["first_gap"] is None else f"{row['first_gap']:.2%}"
-                print(
-                    f"{'':>4s} {'':>6s} the frees searched {row['frees_s']:.1f} s"
-                    + (
-                        f" (improved; its best after {row['frees_best_s']:.1f} s)"
-                        if row["frees_improved"] and row["frees_best_s"] is not None
-                        else f" ({'improved' if row['frees_improved'] else 'nothing cheaper'})"
+                outcome = "nothing cheaper"
+                if row["frees_improved"]:
+                    best_s = row["frees_best_s"]
+                    outcome = "improved" + (
+                        "" if best_s is None else f"; its best after {best_s:.1f} s"
                     )
-                    + "; the"
-                    f" search before them: {row['first_status']}, gap {first_gap},"
+                print(
+                    f"{'':>4s} {'':>6s} the frees searched {row['frees_s']:.1f} s ({outcome});"
+                    f" the search before them: {row['first_status']}, gap {first_gap},"
                     f" {row['first_recompute_s']:.3f} s recomputed,"
                     f" after {row['first_seconds']:.1f} s"
                 )
