@@ -28,6 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
+try:  # generates a module's Python code only when it is called (torch's own, private)
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _CopiedModule
+except ImportError:
+    _CopiedModule = torch.fx.GraphModule
+
 from monet_like.errors import UserError
 from monet_like.graph import Graph, derive, fake_like
 from monet_like.variants.sites import decode, rename
@@ -203,7 +208,8 @@ def copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     g._codegen = copy.deepcopy(gm.graph._codegen)  # make_fx's pytree calling convention
     out = g.graph_copy(gm.graph, {})
     g.output(out)
-    return torch.fx.GraphModule(gm, g)
+    # lazy: the rewrites copy ResNet-50's graph seven times, and only the last is run
+    return _CopiedModule(gm, g)
 
 
 def _register_all() -> None:

@@ -31,6 +31,10 @@ def _storage_key(t: torch.Tensor) -> StorageWeakRef:
 def _keys(value: Any) -> list[StorageWeakRef]:
     if isinstance(value, torch.Tensor):
         return [_storage_key(value)]
+    if value is None:
+        return []
+    if type(value) in (tuple, list):  # most multi-output ops; cheaper than a pytree walk
+        return [k for v in value for k in _keys(v)]
     return [_storage_key(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
