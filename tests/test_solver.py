@@ -240,11 +240,50 @@ def test_the_time_limit_is_shared_by_the_graphs_a_mode_solves(monkeypatch):
     monkeypatch.setattr(solver_module, "candidate_graphs", lambda *args: three)
     monkeypatch.setattr(solver_module, "build_problem", lambda *_args, **_kw: None)
     monkeypatch.setattr(solver_module, "_fastest_step_s", lambda _problem: 0.0)  # each may win
+    monkeypatch.setattr(solver_module, "_step_bound_before_solve", lambda *_args: 0.0)  # a tie
     best = solve(graph, None, 1, mode="inplace_normal", time_limit=100.0, baseline=(graph, None))
     assert best.predicted_time_s == 1.0
     assert limits[0] == pytest.approx(100.0 * (1 - 2 * solver_module.OTHER_GRAPH_SHARE), abs=0.1)
     assert limits[1] == pytest.approx((100.0 - 0.3) / 2, abs=0.2)
     assert limits[2] == pytest.approx(100.0 - 0.6, abs=0.3)  # the last: all that is left
+
+
+def test_the_graph_with_the_lowest_bound_is_solved_first(monkeypatch):
+    """The graphs a mode weighs are solved lowest step bound first (a tie keeps the mode's
+    graph, then the algorithms alone, then the captured graph), so that the schedule in
+    hand lets the others' bounds skip their MILPs; the fastest schedule is kept."""
+    calls, lines = [], []
+    bounds = {"mode": 3.0, "captured": 2.0, "algorithms": 2.0}
+
+    def fake_solve(graph, prof, budget, reference, problem, **options):
+        calls.append(graph.name)
+        return SimpleNamespace(predicted_time_s=bounds[graph.name] + 1.0, extra={})
+
+    three = [
+        (what, SimpleNamespace(name=what, variants=variants), None, None)
+        for what, variants in (
+            ("mode", ("inplace", "conv")),
+            ("captured", ()),
+            ("algorithms", ("conv",)),
+        )
+    ]
+    monkeypatch.setattr(solver_module, "_solve", fake_solve)
+    monkeypatch.setattr(solver_module, "align_times", lambda prof, *graphs: prof)
+    monkeypatch.setattr(solver_module, "candidate_graphs", lambda *args: three)
+    monkeypatch.setattr(solver_module, "build_problem", lambda g, *_args, **_kw: g.name)
+    monkeypatch.setattr(solver_module, "_fastest_step_s", lambda _problem: 0.0)
+    monkeypatch.setattr(
+        solver_module, "_step_bound_before_solve", lambda problem, *_args: bounds[problem]
+    )
+    best = solve(
+        three[0][1], None, 1, mode="inplace_conv", baseline=(three[1][1], None),
+        progress=lines.append,
+    )  # fmt: skip
+    assert calls == ["algorithms", "captured", "mode"]
+    assert best.predicted_time_s == 3.0
+    assert lines[0].startswith(
+        "solving algorithms first: its LP relaxation bounds its step at 2.0000 s"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -1428,6 +1467,8 @@ def test_a_modes_smallest_budget_is_the_lower_of_its_two_graphs(
         raise InfeasibleBudget(f"smallest {smallest}", smallest, MIB)
 
     monkeypatch.setattr(solver_module, "_solve", out_of_reach)
+    monkeypatch.setattr(solver_module, "build_problem", lambda *_args, **_kw: None)
+    monkeypatch.setattr(solver_module, "_step_bound_before_solve", lambda *_args: 0.0)
     rewritten, captured = SimpleNamespace(variants=("newnode",)), SimpleNamespace(variants=())
     with pytest.raises(InfeasibleBudget) as raised:
         solve(rewritten, None, MIB, mode="newnode", baseline=(captured, object()))

@@ -262,7 +262,7 @@ def _min_schedule(
     return x if evaluate(f, x)["peak_bytes"] <= kept_all_peak else kept_all
 
 
-OTHER_GRAPH_SHARE = 0.2  # of the time limit, kept for each graph solved after the mode's
+OTHER_GRAPH_SHARE = 0.2  # of the time limit, kept for each graph solved after the first
 
 
 def solve(
@@ -288,19 +288,20 @@ def solve(
 
     `time_limit` (seconds of wall time) bounds the whole solve: the MILP's set-up, the
     cuts and the start heuristic count against it, and with `baseline` it is shared by
-    the graphs solved (the mode's gets all but `OTHER_GRAPH_SHARE` of it per graph
-    after it). Only the search for the smallest feasible budget, when the budget is
-    infeasible, has a limit of its own. CBC counts its limit in CPU seconds; its raced
-    searches are interrupted at the wall-clock deadline (race.py).
+    the graphs solved (the first solved, `_solving_order`'s, gets all but
+    `OTHER_GRAPH_SHARE` of it per graph after it). Only the search for the smallest
+    feasible budget, when the budget is infeasible, has a limit of its own. CBC counts
+    its limit in CPU seconds; its raced searches are interrupted at the wall-clock
+    deadline (race.py).
 
     `baseline`: (captured graph, its profile), the graph before the mode's variants
     were rewritten into `graph`. With it the solver chooses, site by site, whether a
     variant that only changes what a backward op reads runs, or the aten op it
     replaced; and it also solves the captured graph itself, and where the mode has
     convolution algorithms beside other variants the captured graph with the algorithms
-    alone (each unless its fastest possible step is no faster than a schedule in hand),
-    and returns the fastest schedule (`Solution.variants` says which graph it
-    runs on; `schedule_graph` gives that graph). So a mode is never slower than `normal`
+    alone (lowest bound first; each unless a bound on its step is no faster than a
+    schedule in hand), and returns the fastest schedule (`Solution.variants` says which
+    graph it runs on; `schedule_graph` gives that graph). So a mode is never slower than `normal`
     at the same budget, nor the full mode than `conv`. The ops both graphs run take the
     baseline profile's times, the others theirs scaled to its speed
     (`monet_like.profile.align_times`), so that machine noise between the two profiles
@@ -339,16 +340,20 @@ def solve(
     attempts = candidate_graphs(graph, profile, baseline)
     rank = {what: k for k, (what, *_rest) in enumerate(attempts)}  # a tie keeps the first
     deadline = None if time_limit is None else time.perf_counter() + time_limit
+    order = _solving_order(attempts, budget_bytes, formulation, depth, ablation)
+    if progress is not None and order[0][0] != attempts[0][0]:
+        progress(
+            f"solving {order[0][0]} first: its LP relaxation bounds its step at"
+            f" {order[0][-1]:.4f} s, the lowest of the {len(order)} graphs"
+        )
     solved, infeasible, stopped = [], [], []
     cannot_win: dict[str, float] = {}  # graph -> a bound on its step, no faster than one solved
-    for k, (what, g, p, ref) in enumerate(_solving_order(attempts)):
-        problem = None  # built by _solve, unless the bound below built it first
+    for k, (what, g, p, ref, problem, _bound) in enumerate(order):
         best_s = min((sol.predicted_time_s for _, sol in solved), default=None)
         if best_s is not None:
             # No schedule of a graph beats its fastest step (nothing recomputed, the
             # fastest options): where that is no faster than a schedule in hand, the
             # graph's MILP (a third of a full-mode solve) is not needed.
-            problem = build_problem(g, p, reference=ref)
             fastest = _fastest_step_s(problem)
             if fastest >= best_s:
                 cannot_win[what] = fastest
@@ -361,7 +366,7 @@ def solve(
         if progress is not None and solved + infeasible + stopped:
             progress(f"solving {what} too, to keep the fastest schedule")
         if deadline is not None:
-            # The mode's graph first, with the limit less a share kept for each graph
+            # The first graph solved gets the limit less a share kept for each graph
             # after it; each later one gets an even part of what is left.
             left, later = deadline - time.perf_counter(), len(attempts) - k - 1
             share = left - later * OTHER_GRAPH_SHARE * time_limit if k == 0 else left / (later + 1)
@@ -413,14 +418,44 @@ def solve(
     return best
 
 
-def _solving_order(attempts: list[tuple]) -> list[tuple]:
-    """`candidate_graphs` in the order they are solved: the convolution algorithms alone
-    before the captured graph. The first's schedules include the second's (PyTorch's own
-    algorithm is one of each convolution's options), so its schedule in hand mostly lets
-    the captured graph's LP bound skip that MILP (ResNet-50 at 184, 10 GB, full mode: a
-    third of the solve)."""
+def _solving_order(
+    attempts: list[tuple], budget_bytes: int, formulation: str, depth: int | None,
+    ablation: bool,
+) -> list[tuple]:  # fmt: skip
+    """`candidate_graphs` in the order they are solved, each with its Problem and a lower
+    bound on its step (`_step_bound_before_solve`) appended: the lowest bound first, so
+    that the schedule in hand when the others come lets their LP bounds skip their
+    MILPs. A tie keeps the order: the mode's graph, the convolution algorithms alone,
+    the captured graph (the algorithms' schedules include the captured graph's: PyTorch's
+    own algorithm is one of each convolution's options). ResNet-50 (184), 10 GB, full
+    mode, CBC, on one profile: the algorithms alone proved in 15.8 s and beat the mode's
+    graph, whose LP then bounds it above them; solved first, the mode's graph took 151 s."""
     later = sorted(range(1, len(attempts)), key=lambda k: attempts[k][1].variants != ("conv",))
-    return [attempts[0], *(attempts[k] for k in later)]
+    ordered = [attempts[0], *(attempts[k] for k in later)]
+    depth = None if formulation == "full" else (depth or DEFAULT_DEPTH)
+    rows = []
+    for what, g, p, ref in ordered:
+        problem = build_problem(g, p, reference=ref)
+        bound = _step_bound_before_solve(problem, budget_bytes, depth, ablation)
+        rows.append((what, g, p, ref, problem, bound))
+    return sorted(rows, key=lambda row: row[-1])  # stable: a tie keeps the order above
+
+
+def _step_bound_before_solve(
+    problem: Problem, budget_bytes: int, depth: int | None, ablation: bool
+) -> float:
+    """A lower bound on the step of `problem`'s schedules at `budget_bytes`, for the order
+    graphs are solved in: its fastest step plus its LP relaxation's recomputation (0
+    without HiGHS or an LP optimum; infinity where the LP proves nothing fits). Each
+    graph's skip is decided in `_solve`, on its own bound."""
+    fastest = _fastest_step_s(problem)
+    if importlib.util.find_spec("highspy") is None:
+        return fastest
+    f = formulate(problem, depth, allow_recompute=not ablation)
+    h, solved = solved_relaxation(f, budget_bytes, 10.0)
+    if known_infeasible(f, budget_bytes):
+        return float("inf")
+    return fastest + (float(h.getInfo().objective_function_value) * 1e-3 if solved else 0.0)
 
 
 class _CannotWin(Exception):
