@@ -1452,28 +1452,39 @@ def test_cbc_on_a_large_problem_races_a_search_and_then_windows_beside_it(
         assert sol.bound_s <= optimum + 1e-9
 
 
+@pytest.mark.parametrize("captured_first", [False, True])
 @pytest.mark.parametrize("variants_mib, captured_mib", [(200, 150), (150, 200)])
 def test_a_modes_smallest_budget_is_the_lower_of_its_two_graphs(
-    monkeypatch, variants_mib, captured_mib
+    monkeypatch, variants_mib, captured_mib, captured_first
 ):
     # A mode solves its rewritten graph and the captured one and keeps the faster
     # schedule, so a budget is out of reach only when it is for both, and the smallest
     # budget to report is the lower (VGG-16 at 176 in the full mode: 11.723 GB with the
-    # variants, 11.657 GB on the captured graph).
+    # variants, 11.657 GB on the captured graph), in either solving order.
     from types import SimpleNamespace
 
+    solved_captured = []
+
     def out_of_reach(graph, profile, budget_bytes, reference, **options):
+        solved_captured.append(reference is None)
         smallest = (variants_mib if reference is not None else captured_mib) * MIB
         raise InfeasibleBudget(f"smallest {smallest}", smallest, MIB)
 
     monkeypatch.setattr(solver_module, "_solve", out_of_reach)
-    monkeypatch.setattr(solver_module, "build_problem", lambda *_args, **_kw: None)
-    monkeypatch.setattr(solver_module, "_step_bound_before_solve", lambda *_args: 0.0)
+    monkeypatch.setattr(solver_module, "build_problem", lambda g, *_args, **_kw: g)
+    monkeypatch.setattr(
+        solver_module,
+        "_step_bound_before_solve",
+        lambda g, *_args: float(bool(g.variants) == captured_first),  # the lower goes first
+    )
     rewritten, captured = SimpleNamespace(variants=("newnode",)), SimpleNamespace(variants=())
     with pytest.raises(InfeasibleBudget) as raised:
         solve(rewritten, None, MIB, mode="newnode", baseline=(captured, object()))
+    assert solved_captured == [captured_first, not captured_first]
     assert raised.value.min_budget_bytes == min(variants_mib, captured_mib) * MIB
     assert ("captured graph" in str(raised.value)) == (captured_mib < variants_mib)
+    if captured_mib < variants_mib:  # the mode's own smallest budget is named beside it
+        assert f"with the mode's variants {gb_at_least(variants_mib * MIB)} GB" in str(raised.value)
 
 
 @pytest.mark.parametrize("backward_op, smallest_mib", [(11, 10), (None, 13)])
