@@ -240,7 +240,7 @@ def test_the_time_limit_is_shared_by_the_graphs_a_mode_solves(monkeypatch):
     monkeypatch.setattr(solver_module, "candidate_graphs", lambda *args: three)
     monkeypatch.setattr(solver_module, "build_problem", lambda *_args, **_kw: None)
     monkeypatch.setattr(solver_module, "_fastest_step_s", lambda _problem: 0.0)  # each may win
-    monkeypatch.setattr(solver_module, "_step_bound_before_solve", lambda *_args: 0.0)  # a tie
+    monkeypatch.setattr(solver_module, "_step_bound_before_solve", lambda *_args: (0.0, None))
     best = solve(graph, None, 1, mode="inplace_normal", time_limit=100.0, baseline=(graph, None))
     assert best.predicted_time_s == 1.0
     assert limits[0] == pytest.approx(100.0 * (1 - 2 * solver_module.OTHER_GRAPH_SHARE), abs=0.1)
@@ -273,7 +273,7 @@ def test_the_graph_with_the_lowest_bound_is_solved_first(monkeypatch):
     monkeypatch.setattr(solver_module, "build_problem", lambda g, *_args, **_kw: g.name)
     monkeypatch.setattr(solver_module, "_fastest_step_s", lambda _problem: 0.0)
     monkeypatch.setattr(
-        solver_module, "_step_bound_before_solve", lambda problem, *_args: bounds[problem]
+        solver_module, "_step_bound_before_solve", lambda problem, *_args: (bounds[problem], None)
     )
     best = solve(
         three[0][1], None, 1, mode="inplace_conv", baseline=(three[1][1], None),
@@ -1475,7 +1475,7 @@ def test_a_modes_smallest_budget_is_the_lower_of_its_two_graphs(
     monkeypatch.setattr(
         solver_module,
         "_step_bound_before_solve",
-        lambda g, *_args: float(bool(g.variants) == captured_first),  # the lower goes first
+        lambda g, *_args: (float(bool(g.variants) == captured_first), None),  # lower first
     )
     rewritten, captured = SimpleNamespace(variants=("newnode",)), SimpleNamespace(variants=())
     with pytest.raises(InfeasibleBudget) as raised:

@@ -622,3 +622,40 @@ def test_a_graph_whose_fastest_step_cannot_win_is_not_solved(monkeypatch, conv_b
     assert "not_solved" not in every.extra
     assert every.predicted_time_s == skipping.predicted_time_s
     assert every.variants == skipping.variants and every.stages == skipping.stages
+
+
+def test_each_graphs_formulation_and_lp_are_built_once(monkeypatch, conv_block_full):
+    """The order the graphs are solved in comes from each one's LP bound; the solve
+    then takes over that formulation and its LP optimum for its cuts instead of building
+    and solving them again, and returns the schedule it returns when it rebuilds them."""
+    from monet_like import solver as solver_module
+
+    _model, _shape, _batch, captured, graph, reference, own = conv_block_full
+    baseline = (captured, reference)
+    problem = build_problem(captured, reference)
+    budget = (min_feasible_budget(problem, 16, False, "HIGHS") + problem.store_all_peak_bytes) // 2
+    prepared, cut_calls = [], []
+    bound_before_solve, root_cuts = solver_module._step_bound_before_solve, solver_module.root_cuts
+
+    def kept_bound(*args):
+        bound, built = bound_before_solve(*args)
+        prepared.append(built)
+        return bound, built
+
+    def spied_cuts(f, budget_bytes, **kwargs):
+        cut_calls.append((f, kwargs.get("solved_lp")))
+        return root_cuts(f, budget_bytes, **kwargs)
+
+    monkeypatch.setattr(solver_module, "_step_bound_before_solve", kept_bound)
+    monkeypatch.setattr(solver_module, "root_cuts", spied_cuts)
+    reused = solve(graph, own, budget, mode=FULL, solver="HIGHS", baseline=baseline)
+    assert len(prepared) == 3 and cut_calls
+    built = {id(f): lp for f, lp in prepared}
+    for f, lp in cut_calls:
+        assert id(f) in built and lp is not None and lp is built[id(f)]
+    # Rebuilt for each solve (nothing handed over): the same schedule.
+    bound_only = lambda *args: (bound_before_solve(*args)[0], None)  # noqa: E731
+    monkeypatch.setattr(solver_module, "_step_bound_before_solve", bound_only)
+    rebuilt = solve(graph, own, budget, mode=FULL, solver="HIGHS", baseline=baseline)
+    assert rebuilt.variants == reused.variants and rebuilt.stages == reused.stages
+    assert rebuilt.predicted_time_s == pytest.approx(reused.predicted_time_s, rel=1e-9)

@@ -348,7 +348,7 @@ def solve(
         )
     solved, infeasible, stopped = [], [], []
     cannot_win: dict[str, float] = {}  # graph -> a bound on its step, no faster than one solved
-    for k, (what, g, p, ref, problem, _bound) in enumerate(order):
+    for k, (what, g, p, ref, problem, prepared, _bound) in enumerate(order):
         best_s = min((sol.predicted_time_s for _, sol in solved), default=None)
         if best_s is not None:
             # No schedule of a graph beats its fastest step (nothing recomputed, the
@@ -373,8 +373,9 @@ def solve(
             options["time_limit"] = max(1.0, share)
         try:
             found = _solve(
-                g, p, budget_bytes, reference=ref, problem=problem, beat_s=best_s, **options
-            )
+                g, p, budget_bytes, reference=ref, problem=problem, beat_s=best_s,
+                prepared=prepared, **options,
+            )  # fmt: skip
             solved.append((what, found))
         except _CannotWin as exc:
             cannot_win[what] = exc.bound_s
@@ -424,8 +425,9 @@ def _solving_order(
     attempts: list[tuple], budget_bytes: int, formulation: str, depth: int | None,
     ablation: bool,
 ) -> list[tuple]:  # fmt: skip
-    """`candidate_graphs` in the order they are solved, each with its Problem and a lower
-    bound on its step (`_step_bound_before_solve`) appended: the lowest bound first, so
+    """`candidate_graphs` in the order they are solved, each with its Problem, the
+    formulation and LP built for its bound (for `_solve` to reuse) and a lower bound on
+    its step (`_step_bound_before_solve`) appended: the lowest bound first, so
     that the schedule in hand when the others come lets their LP bounds skip their
     MILPs. A tie keeps the order: the mode's graph, the convolution algorithms alone,
     the captured graph (the algorithms' schedules include the captured graph's: PyTorch's
@@ -438,26 +440,30 @@ def _solving_order(
     rows = []
     for what, g, p, ref in ordered:
         problem = build_problem(g, p, reference=ref)
-        bound = _step_bound_before_solve(problem, budget_bytes, depth, ablation)
-        rows.append((what, g, p, ref, problem, bound))
+        bound, prepared = _step_bound_before_solve(problem, budget_bytes, depth, ablation)
+        rows.append((what, g, p, ref, problem, prepared, bound))
     return sorted(rows, key=lambda row: row[-1])  # stable: a tie keeps the order above
 
 
 def _step_bound_before_solve(
     problem: Problem, budget_bytes: int, depth: int | None, ablation: bool
-) -> float:
+) -> tuple[float, tuple | None]:
     """A lower bound on the step of `problem`'s schedules at `budget_bytes`, for the order
     graphs are solved in: its fastest step plus its LP relaxation's recomputation (0
     without HiGHS or an LP optimum; infinity where the LP proves nothing fits). Each
-    graph's skip is decided in `_solve`, on its own bound."""
+    graph's skip is decided in `_solve`, on its own bound. Also returns what `_solve`
+    reuses rather than builds again (`_solve`'s `prepared`): the formulation (frees off)
+    and the HiGHS model at its LP optimum (None where not reached); None without HiGHS."""
     fastest = _fastest_step_s(problem)
     if importlib.util.find_spec("highspy") is None:
-        return fastest
+        return fastest, None
     f = formulate(problem, depth, allow_recompute=not ablation)
     h, solved = solved_relaxation(f, budget_bytes, 10.0)
     if known_infeasible(f, budget_bytes):
-        return float("inf")
-    return fastest + (float(h.getInfo().objective_function_value) * 1e-3 if solved else 0.0)
+        return float("inf"), (f, None)
+    if not solved:
+        return fastest, (f, None)
+    return fastest + float(h.getInfo().objective_function_value) * 1e-3, (f, h)
 
 
 class _CannotWin(Exception):
@@ -668,10 +674,15 @@ def _solve(
     reference,
     problem: Problem | None = None,
     beat_s: float | None = None,
+    prepared: tuple | None = None,
 ) -> Solution:
     """`solve` on one graph. `beat_s`: the predicted step of a schedule in hand (of
     another graph of the model); where this graph's LP bound proves that none of its
-    schedules is faster, `_CannotWin` is raised before its MILP."""
+    schedules is faster, `_CannotWin` is raised before its MILP. `prepared`: (the
+    formulation of `problem` at `depth` with the frees off, its HiGHS model at the LP
+    optimum at `budget_bytes` or None), built for `_solving_order`'s bound; used where
+    the solve starts without the frees, so neither is built twice (ResNet-50 (184), full
+    mode: a second or two per graph)."""
     solver = _checked_options(solver, formulation, budget_bytes)
     depth = None if formulation == "full" else (depth or DEFAULT_DEPTH)
 
@@ -701,12 +712,15 @@ def _solve(
             problem, budget_bytes, depth, ablation, solver, frees, whose, progress
         )
 
-    f = formulate(problem, depth, allow_recompute=not ablation, frees=frees or None)
+    if prepared is not None and not frees:
+        f, lp = prepared
+    else:
+        f, lp = formulate(problem, depth, allow_recompute=not ablation, frees=frees or None), None
     known = remembered_least_peak(f)  # before the cuts' rows
     cut_stats = {}
     if solver in CUT_SOLVERS:
         cut_limit = 60.0 if time_limit is None else max(5.0, min(60.0, 0.1 * time_limit))
-        cuts, cut_stats = root_cuts(f, budget_bytes, time_limit=cut_limit)
+        cuts, cut_stats = root_cuts(f, budget_bytes, time_limit=cut_limit, solved_lp=lp)
         f = with_cuts(f, cuts)
         if progress is not None:
             progress(_cuts_line(cut_stats))

@@ -160,16 +160,22 @@ def root_cuts(
     rounds: int = 10,
     time_limit: float = 60.0,
     per_round: int = 5000,
+    solved_lp=None,
 ) -> tuple[sp.csr_matrix, dict]:
     """Cuts separated on the LP relaxation at `budget_bytes`: up to `rounds` rounds of
     LP (HiGHS, warm-started) and separation, within about `time_limit` seconds. Returns
     the rows over the binary columns (each `<= 0`) and what happened (number of rows,
-    LP bound before and after, in seconds of recomputation, rounds, seconds)."""
+    LP bound before and after, in seconds of recomputation, rounds, seconds).
+    `solved_lp`: that relaxation already at its optimum (`solved_relaxation`'s model),
+    taken over instead of solved again; the cuts' rows are added to it."""
     import highspy
 
     started = time.perf_counter()
     separator = CutSeparator(f)
-    h, solved = solved_relaxation(f, budget_bytes, time_limit)
+    if solved_lp is None:
+        h, solved = solved_relaxation(f, budget_bytes, time_limit)
+    else:
+        h, solved = solved_lp, True
     stats = {"cuts": 0, "lp_before_s": None, "lp_after_s": None, "rounds": 0, "seconds": 0.0}
     blocks = [sp.csr_matrix((0, f.n_bool))]
     if solved:
