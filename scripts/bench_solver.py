@@ -10,12 +10,14 @@ seconds). Writes a CSV and a PNG.
 
     python scripts/bench_solver.py [--models resnet50,googlenet,...] [--budgets 10,9,8,7,6,5]
         [--solvers HIGHS,CBC] [--mode normal] [--time_limit 600] [--formulation compact]
-        [--profiles 1] [--out out/]
+        [--profiles 1] [--no_frees] [--out out/]
 
 With `--profiles N` (N > 1) each model is profiled N times afresh (the cache neither
 read nor written) and every budget solved on each profile: a table then gives, per
 budget and solver, the median and the worst solve time and gap over the profiles, and
 how many were proved (a solve's time and proof move with the profile's noise).
+`--no_frees` (as in `solve.py`) ends each solve at the compact formulation's search:
+its proof alone, without the frees' search after it.
 
 With a mode other than `normal` (e.g. `inplace_conv_multiway_newnode`, the full mode)
 the graph is rewritten with the mode's variants and profiled so, and the MILP of that
@@ -58,6 +60,7 @@ def main() -> None:
     ap.add_argument("--formulation", default="compact")
     ap.add_argument("--mode", default="normal")
     ap.add_argument("--profiles", type=int, default=1, help="fresh profiles per model")
+    ap.add_argument("--no_frees", action="store_true", help="no frees' search after the first")
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     parse_mode(args.mode)  # a bad mode fails before any capture or profiling
@@ -159,6 +162,7 @@ def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> li
                     time_limit=args.time_limit,
                     formulation=args.formulation,
                     mode=args.mode,
+                    frees=False if args.no_frees else None,
                 )
                 row.update(
                     status=sol.status,
