@@ -36,7 +36,7 @@ from monet_like.solver import (
 )
 from monet_like.solver.backends import RawResult
 from monet_like.solver.backends.cbc import _cbc_bound_before_restart, _cbc_matrix, _shuffled
-from monet_like.solver.backends.highs import is_feasible, relaxation_infeasible
+from monet_like.solver.backends.highs import is_feasible, relaxation, relaxation_infeasible
 from monet_like.solver.backends.pulp import _CbcLogWatch, _pulp_bound, children_running
 from monet_like.solver.cuts import CutSeparator, root_cuts, with_cuts
 from monet_like.solver.evaluate import evaluate
@@ -902,6 +902,33 @@ def resnet18_problem():
     return graph, prof, problem, low
 
 
+def test_the_start_rounds_the_cuts_last_lp_instead_of_solving_it_again(
+    resnet18_problem, monkeypatch
+):
+    """The cuts' last LP is the start's LP at the budget (the formulation with the cut
+    rows): the solve hands its columns to the LP rounding, which then solves LPs only at
+    smaller budgets, and they are an optimum of that LP."""
+    graph, prof, problem, low = resnet18_problem
+    f = formulate(problem, DEFAULT_DEPTH)
+    budget = between(low, problem, 0.5)
+    cut_rows, stats = root_cuts(f, budget, time_limit=60.0)
+    columns = stats["lp_columns"]
+    assert columns is not None and len(columns) == f.n_bool
+    solved_again = relaxation(with_cuts(f, cut_rows), budget)
+    assert float(f.cost @ columns) == pytest.approx(float(f.cost @ solved_again), rel=1e-6)
+    assert float(f.cost @ columns) == pytest.approx(stats["lp_after_s"] * 1e3, rel=1e-6)
+    asked, solve_lp = [], start_module.relaxation
+
+    def counted(f, budget_bytes, *args):
+        asked.append(budget_bytes)
+        return solve_lp(f, budget_bytes, *args)
+
+    monkeypatch.setattr(start_module, "relaxation", counted)
+    sol = solve(graph, prof, budget, solver="HIGHS")
+    assert sol.stats["start"] is not None
+    assert budget not in asked  # smaller budgets only, where no rounding fitted
+
+
 def test_start_schedules_are_feasible_down_near_the_smallest_budget(resnet18_problem):
     """Both heuristics' schedules satisfy every row at their budget; LP rounding reaches
     budgets near the smallest feasible one, where the greedy stalls; the start handed
@@ -924,11 +951,13 @@ def test_start_schedules_are_feasible_down_near_the_smallest_budget(resnet18_pro
             assert is_feasible(f, x, budget)
             assert not is_feasible(f, x, low - 1)  # the check can fail
         # the start as the solve takes it: on the formulation with its cut rows
-        cut_rows, _ = root_cuts(f, budget, time_limit=60.0)
+        cut_rows, cut_stats = root_cuts(f, budget, time_limit=60.0)
         known = remembered_least_peak(f)  # the smallest-budget search's, as solve() takes it
         if known is not None and evaluate(f, known)["peak_bytes"] <= budget:
             costs.append(float(f.cost @ known))
-        x, how = start_schedule(with_cuts(f, cut_rows), budget, known=known)
+        x, how = start_schedule(
+            with_cuts(f, cut_rows), budget, known=known, lp_at_budget=cut_stats["lp_columns"]
+        )
         if x is None and fraction == 0.1:
             # Both are heuristics on the profile's times: in one fresh-clone run (before
             # the greedy's drops were added after LP rounding) neither reached 10% of the
@@ -1293,8 +1322,8 @@ def test_cbc_stopped_without_a_schedule_returns_the_start(
     real_start = solver_module.start_schedule
     starts = []
 
-    def start_then_bound(f, budget_bytes, solver, peak_search_s=0.0, known=None):
-        x, how = real_start(f, budget_bytes, solver, peak_search_s, known)
+    def start_then_bound(f, budget_bytes, solver, peak_search_s=0.0, known=None, lp=None):
+        x, how = real_start(f, budget_bytes, solver, peak_search_s, known, lp)
         starts.append(float(f.cost @ x) * MS)
         if bound_fraction is not None:
             bound = bound_fraction * starts[-1]

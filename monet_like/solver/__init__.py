@@ -733,7 +733,8 @@ def _solve(
     t0 = time.perf_counter()
     # near the smallest budget only the least-peak search finds a start: a share of the time
     peak_search_s = START_PEAK_SEARCH_SHARE * (time_limit or MIN_BUDGET_TIME_LIMIT)
-    start, how = start_schedule(f, budget_bytes, solver, peak_search_s, known)
+    lp_columns = cut_stats.get("lp_columns")  # the LP of `f` (cuts included) at the budget
+    start, how = start_schedule(f, budget_bytes, solver, peak_search_s, known, lp_columns)
     if start is not None and not is_feasible(f, start, budget_bytes):
         start, how = None, "the heuristic's schedule broke a row"  # never hand that over
     searched = time.perf_counter()

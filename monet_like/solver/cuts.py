@@ -165,7 +165,9 @@ def root_cuts(
     """Cuts separated on the LP relaxation at `budget_bytes`: up to `rounds` rounds of
     LP (HiGHS, warm-started) and separation, within about `time_limit` seconds. Returns
     the rows over the binary columns (each `<= 0`) and what happened (number of rows,
-    LP bound before and after, in seconds of recomputation, rounds, seconds).
+    LP bound before and after, in seconds of recomputation, rounds, seconds; and
+    "lp_columns": the binary columns of the LP optimum with every row returned, which
+    the start's LP rounding takes instead of solving that LP again, or None).
     `solved_lp`: that relaxation already at its optimum (`solved_relaxation`'s model),
     taken over instead of solved again; the cuts' rows are added to it."""
     import highspy
@@ -178,6 +180,7 @@ def root_cuts(
         h, solved = solved_lp, True
     stats = {"cuts": 0, "lp_before_s": None, "lp_after_s": None, "rounds": 0, "seconds": 0.0}
     blocks = [sp.csr_matrix((0, f.n_bool))]
+    at_optimum = solved  # of the LP with every row added so far
     if solved:
         stats["lp_before_s"] = stats["lp_after_s"] = h.getInfo().objective_function_value * 1e-3
     for _ in range(rounds if solved else 0):
@@ -198,9 +201,11 @@ def root_cuts(
         stats["rounds"] += 1
         h.setOptionValue("time_limit", max(1.0, time_limit - (time.perf_counter() - started)))
         h.run()
-        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        at_optimum = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+        if not at_optimum:
             break  # the rows found so far stand: each holds for every schedule
         stats["lp_after_s"] = h.getInfo().objective_function_value * 1e-3
+    stats["lp_columns"] = np.asarray(h.getSolution().col_value[: f.n_bool]) if at_optimum else None
     cuts = sp.vstack(blocks).tocsr()
     stats["cuts"] = cuts.shape[0]
     stats["seconds"] = time.perf_counter() - started

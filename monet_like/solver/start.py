@@ -214,19 +214,25 @@ LP_BUDGET_SCALES = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # LP budgets, fractio
 ROUNDING_THRESHOLDS = (0.9, 0.7, 0.5, 0.3, 0.1, 0.01)  # keep u when its LP keep value is above
 
 
-def rounded_start(f: Formulation, budget_bytes: int, time_limit: float = 60.0) -> np.ndarray | None:
+def rounded_start(
+    f: Formulation, budget_bytes: int, time_limit: float = 60.0, lp_at_budget=None
+) -> np.ndarray | None:
     """Binary columns of the cheapest just-in-time schedule within `budget_bytes` whose
     kept units are the LP relaxation's keep columns rounded; None if no rounding fits.
 
     The LP is solved at the budget and, while no rounding fits, at smaller ones (a
     rounded schedule needs more memory than the LP's fractional one), for at most
-    `time_limit` seconds in all."""
+    `time_limit` seconds in all. `lp_at_budget`: the binary columns of the LP optimum
+    at `budget_bytes`, already solved (the cuts' last LP), used instead of solving it."""
     deadline = time.perf_counter() + time_limit
     best, best_cost = None, np.inf
     nearest = []  # per LP budget: the kept units of the rounding closest to fitting
     for scale in LP_BUDGET_SCALES:
         remaining = deadline - time.perf_counter()
-        lp = relaxation(f, budget_bytes * scale, remaining) if remaining > 0 else None
+        if scale == 1.0 and lp_at_budget is not None:
+            lp = lp_at_budget
+        else:
+            lp = relaxation(f, budget_bytes * scale, remaining) if remaining > 0 else None
         if lp is None:  # infeasible even fractionally (smaller budgets are too), or slow
             break
         closest, closest_peak = None, np.inf
@@ -376,10 +382,11 @@ def start_schedule(
     solver: str = "HIGHS",
     peak_search_s: float = 0.0,
     known: np.ndarray | None = None,
+    lp_at_budget: np.ndarray | None = None,
 ) -> tuple[np.ndarray | None, str]:
     """The cheapest start found (greedy, LP rounding, `known`, then `keep_back` and
     `reschedule` through `solver`), and how it was found; (None, reason) when none fits
-    the budget.
+    the budget. `lp_at_budget`: `rounded_start`'s, where the LP is already solved.
 
     Near the smallest feasible budget both heuristics often fail; then, unless `known`
     (a least-peak schedule, `remembered_least_peak`) fits, for up to `peak_search_s`,
@@ -391,7 +398,7 @@ def start_schedule(
     greedy = greedy_start(f, budget_bytes)
     if greedy is not None:
         found.append((float(f.cost @ greedy), "greedy", greedy))
-    rounded = rounded_start(f, budget_bytes)
+    rounded = rounded_start(f, budget_bytes, lp_at_budget=lp_at_budget)
     if rounded is not None:
         found.append((float(f.cost @ rounded), "LP rounding", rounded))
     if not found and peak_search_s > 0:
