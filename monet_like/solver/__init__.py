@@ -364,7 +364,7 @@ def solve(
                     )
                 continue
         if progress is not None and solved + infeasible + stopped:
-            progress(f"solving {what} too, to keep the fastest schedule")
+            progress(f"trying {what} too, to keep the fastest schedule")
         if deadline is not None:
             # The first graph solved gets the limit less a share kept for each graph
             # after it; each later one gets an even part of what is left.
