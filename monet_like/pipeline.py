@@ -250,12 +250,17 @@ def profile_graphs(
     from monet_like.profile import profile as take_profile
 
     bars = None if lines else False  # progress bars where a line goes
-    prof = take_profile(model, graph, profile_batch, device, repeats, progress=bars)
+    captures: dict = {}  # the model at the profile's smaller batches, captured once for both
+    prof = take_profile(
+        model, graph, profile_batch, device, repeats, progress=bars, captures=captures
+    )
     if progress is not None:
         progress(profile_line(prof, "with its variants" if graph.variants else ""))
     if not graph.variants:
         return prof, None
-    reference = take_profile(model, captured, profile_batch, device, repeats, progress=bars)
+    reference = take_profile(
+        model, captured, profile_batch, device, repeats, progress=bars, captures=captures
+    )
     if progress is not None:
         progress(profile_line(reference, "as captured"))
     return prof, (captured, reference)

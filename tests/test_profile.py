@@ -133,8 +133,8 @@ def test_profile_records_where_its_time_went():
     graph = capture(model, (3, 16, 16), 8)
     measured = profile(model, graph, profile_batch=2, repeats=1, progress=False, use_cache=False)
     stages = list(measured.stage_seconds)
-    assert stages[:2] == ["timed runs at batch 2", "workspace at batch 2"]
-    assert "timed runs at batch 4" in stages
+    assert stages[:3] == ["graph at batch 2", "timed runs at batch 2", "workspace at batch 2"]
+    assert "graph at batch 4" in stages and "timed runs at batch 4" in stages
     assert all(s >= 0 for s in measured.stage_seconds.values())
     assert sum(measured.stage_seconds.values()) <= measured.profile_seconds
     assert Profile.from_json(measured.to_json()).stage_seconds == measured.stage_seconds
@@ -277,6 +277,34 @@ def test_ops_alike_are_measured_alone_once(monkeypatch):
     runs.clear()
     again, _ = workspace_module._remeasure_alone(graph, torch.device("cpu"), [0] * len(graph.ops))
     assert again == measured and runs == []  # a second graph in the same process
+
+
+def test_both_graphs_profiles_capture_the_model_once_per_smaller_batch(monkeypatch):
+    """A mode's two profiles (its variants' graph, the captured graph) are taken at the
+    same smaller batches: each batch's capture is taken once and shared, and the captured
+    graph's profile equals one taken on its own capture in its ops and bytes."""
+    import monet_like.profile as profile_module
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+    captured, graph = pipeline.capture_graphs(model, (3, 16, 16), 8, "inplace_normal")
+    batches = []
+    real_capture = profile_module.capture
+
+    def counted(model, shape, batch, *rest):
+        batches.append(batch)
+        return real_capture(model, shape, batch, *rest)
+
+    monkeypatch.setattr(profile_module, "capture", counted)
+    prof, (_, reference) = pipeline.profile_graphs(
+        model, captured, graph, profile_batch=2, repeats=1, lines=False
+    )
+    assert sorted(batches) == [2, 4]  # not [2, 2, 4, 4]
+    assert not prof.cached and not reference.cached
+    assert all("graph at batch 2" in p.stage_seconds for p in (prof, reference))
+    alone = profile(model, captured, profile_batch=2, repeats=1, use_cache=False, progress=False)
+    assert sorted(batches) == [2, 2, 4, 4]
+    assert [n.node for n in reference.nodes] == [n.node for n in alone.nodes]
+    assert len(reference.op_times_s) == len(alone.op_times_s) == len(captured.ops)
 
 
 def test_a_convolution_at_pytorchs_algorithm_is_measured_alone_once_for_both_graphs(

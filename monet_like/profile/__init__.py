@@ -123,12 +123,16 @@ def profile(
     repeats: int = 3,
     use_cache: bool = True,
     progress: bool | None = None,
+    captures: dict | None = None,
 ) -> Profile:
     """Measure per-node times and workspace of `graph` (captured from `model`).
 
     `model` must hold real parameters (not "meta"). `profile_batch` defaults to the
     graph's batch on CUDA and to min(batch, 4) on CPU. `progress`: True shows progress
     bars, False nothing, None bars on a terminal and otherwise a line per stage.
+    `captures`: a dict kept by the caller across profiles of `model`'s graphs (the
+    captured graph and its variants'): the model captured at each smaller batch is
+    kept there and taken again by the next profile instead of being captured again.
     """
     device = torch.device(device or graph.device)
     dtype = getattr(torch, graph.dtype)
@@ -146,14 +150,17 @@ def profile(
     load_at_start = load_per_core()
 
     def graph_at(batch: int) -> Graph:
-        return _graph_at(model, graph, batch, device)
+        return _graph_at(model, graph, batch, device, captures)
 
     from tqdm import tqdm
 
     scaled = profile_batch != graph.batch
     every_op = {op.index for op in graph.ops}
     at_batch: set[int] = set() if scaled else every_op  # ops whose workspace is measured there
+    stages = _Stages(graph.model, progress)
     small = graph_at(profile_batch)
+    if scaled:  # capturing and rewriting the step again: seconds on a large model
+        stages.done(f"graph at batch {profile_batch}")
     runner = _OpRunner(small, device)
     args_fn = _real_args(model, small, device, dtype)
     bar = tqdm(
@@ -162,7 +169,6 @@ def profile(
         unit="run",
         disable=_bar_hidden(progress),
     )
-    stages = _Stages(graph.model, progress)
 
     try:
         spread: list[float] = []
@@ -177,6 +183,8 @@ def profile(
         if scaled:
             other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
             other_graph = graph_at(other_batch) if other_batch != profile_batch else None
+            if other_graph is not None:
+                stages.done(f"graph at batch {other_batch}")
             other_times = None
 
             def timed_at_other(warm_up: bool) -> list[float]:
@@ -351,16 +359,18 @@ def _cached(path: Path) -> Profile | None:
     return None
 
 
-def _graph_at(model: nn.Module, graph: Graph, batch: int, device: torch.device) -> Graph:
-    """`graph` captured again at `batch` on `device` (with its variants), to be run."""
+def _graph_at(
+    model: nn.Module, graph: Graph, batch: int, device: torch.device, captures: dict | None = None
+) -> Graph:
+    """`graph` captured again at `batch` on `device` (with its variants), to be run; the
+    capture before the variants is taken from `captures` or kept there."""
     if batch == graph.batch:
         if graph.fx is None:
             raise UserError("this graph carries no traced module to run: capture it again")
         return graph
     from monet_like.variants import apply as apply_variants
 
-    other = capture(
-        model,
+    how = (
         graph.input_shape,
         batch,
         getattr(torch, graph.dtype),
@@ -370,7 +380,10 @@ def _graph_at(model: nn.Module, graph: Graph, batch: int, device: torch.device) 
         graph.outputs_held,
         None if graph.autocast is None else getattr(torch, graph.autocast),
     )
-    other = apply_variants(other, graph.variants, graph.plain_batch_norms)
+    captures = {} if captures is None else captures
+    if how not in captures:  # the rewrites copy the graph they are given: it stays as captured
+        captures[how] = capture(model, *how)
+    other = apply_variants(captures[how], graph.variants, graph.plain_batch_norms)
     if [o.target for o in other.ops] != [o.target for o in graph.ops]:
         raise UserError(
             f"the graph at batch {batch} differs from the one at batch {graph.batch} "
