@@ -150,7 +150,13 @@ def profile(
     load_at_start = load_per_core()
 
     def graph_at(batch: int) -> Graph:
-        return _graph_at(model, graph, batch, device, captures)
+        """The graph at `batch`; its building (capture, rewrite) is a stage where done."""
+        key = _capture_key(graph, batch, device)
+        reused = not graph.variants and captures is not None and key in captures
+        built = _graph_at(model, graph, batch, device, captures)
+        if batch != graph.batch and not reused:  # seconds on a large model
+            stages.done(f"graph at batch {batch}")
+        return built
 
     from tqdm import tqdm
 
@@ -159,8 +165,6 @@ def profile(
     at_batch: set[int] = set() if scaled else every_op  # ops whose workspace is measured there
     stages = _Stages(graph.model, progress)
     small = graph_at(profile_batch)
-    if scaled:  # capturing and rewriting the step again: seconds on a large model
-        stages.done(f"graph at batch {profile_batch}")
     runner = _OpRunner(small, device)
     args_fn = _real_args(model, small, device, dtype)
     bar = tqdm(
@@ -183,8 +187,6 @@ def profile(
         if scaled:
             other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
             other_graph = graph_at(other_batch) if other_batch != profile_batch else None
-            if other_graph is not None:
-                stages.done(f"graph at batch {other_batch}")
             other_times = None
 
             def timed_at_other(warm_up: bool) -> list[float]:
@@ -359,6 +361,20 @@ def _cached(path: Path) -> Profile | None:
     return None
 
 
+def _capture_key(graph: Graph, batch: int, device: torch.device) -> tuple:
+    """`capture`'s arguments after the model for `graph`'s step at `batch` on `device`."""
+    return (
+        graph.input_shape,
+        batch,
+        getattr(torch, graph.dtype),
+        device,
+        graph.model,
+        graph.input_grad,
+        graph.outputs_held,
+        None if graph.autocast is None else getattr(torch, graph.autocast),
+    )
+
+
 def _graph_at(
     model: nn.Module, graph: Graph, batch: int, device: torch.device, captures: dict | None = None
 ) -> Graph:
@@ -370,16 +386,7 @@ def _graph_at(
         return graph
     from monet_like.variants import apply as apply_variants
 
-    how = (
-        graph.input_shape,
-        batch,
-        getattr(torch, graph.dtype),
-        device,
-        graph.model,
-        graph.input_grad,
-        graph.outputs_held,
-        None if graph.autocast is None else getattr(torch, graph.autocast),
-    )
+    how = _capture_key(graph, batch, device)
     captures = {} if captures is None else captures
     if how not in captures:  # the rewrites copy the graph they are given: it stays as captured
         captures[how] = capture(model, *how)
