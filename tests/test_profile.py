@@ -645,20 +645,30 @@ def test_a_conv_graphs_profile_is_derived_from_the_captured_and_the_full_modes()
 def test_large_random_inputs_repeat_one_pool_of_normal_values():
     """Inputs of ops measured alone at the solved batch are random normal values; above
     RANDOM_POOL of them they repeat one drawn pool (drawing each value took 15 s of a
-    cold ResNet-50 profile), laid out as the graph's value (here channels-last)."""
-    from monet_like.profile.workspace import RANDOM_POOL, _random_laid_out, _random_values
+    cold ResNet-50 profile), laid out as the graph's value (here channels-last, and a
+    slice with gaps, whose storage is filled whole)."""
+    from monet_like.profile.workspace import RANDOM_POOL, _random_laid_out
 
     gen = torch.Generator().manual_seed(0)
-    small = _random_values([4, 5], torch.float64, gen)
-    assert small.shape == (4, 5) and small.dtype == torch.float64
+    cpu = torch.device("cpu")
+    small = _random_laid_out(torch.empty(4, 5, dtype=torch.float64), None, gen, cpu)
+    assert small.shape == (4, 5) and small.dtype == torch.float64 and small.std() > 0.5
     shape = [3, RANDOM_POOL // 2 + 7]
-    large = _random_values(shape, torch.float32, gen)
+    large = _random_laid_out(torch.empty(shape, device="meta"), None, gen, cpu)
     flat = large.reshape(-1)
     assert list(large.shape) == shape and torch.isfinite(flat).all()
     assert torch.equal(flat[RANDOM_POOL:], flat[: flat.numel() - RANDOM_POOL])
     assert abs(flat[:RANDOM_POOL].mean().item()) < 0.01
     assert abs(flat[:RANDOM_POOL].std().item() - 1) < 0.01
     meta = torch.empty(2, 8, 256, 256).to(memory_format=torch.channels_last)
-    laid_out = _random_laid_out(meta, None, gen, torch.device("cpu"))
+    laid_out = _random_laid_out(meta, None, gen, cpu)
     assert laid_out.shape == meta.shape and laid_out.stride() == meta.stride()
     assert laid_out.std().item() == pytest.approx(1, abs=0.01)
+    gaps = torch.empty(RANDOM_POOL // 100, 300, device="meta")[:, :200]
+    sliced = _random_laid_out(gaps, None, gen, cpu)
+    assert sliced.shape == gaps.shape and sliced.stride() == (300, 1)
+    storage = torch.empty(0).set_(sliced.untyped_storage())
+    assert torch.isfinite(storage).all() and storage.std().item() == pytest.approx(1, abs=0.01)
+    more = 2 * gaps.shape[0]  # more rows than the gaps were laid out for: dense
+    rows = _random_laid_out(gaps, more, gen, cpu)
+    assert rows.shape == (more, 200) and rows.is_contiguous() and torch.isfinite(rows).all()

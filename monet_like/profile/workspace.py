@@ -4,8 +4,6 @@ solved batch does not fit, and large ops then measured alone."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from monet_like.graph import Graph
@@ -114,7 +112,7 @@ def _random_laid_out(
     expanded = [d for d in range(meta.dim()) if stride[d] == 0 and shape[d] > 1]
     stored = [1 if d in expanded else n for d, n in enumerate(shape)]
     value = torch.empty_strided(stored, stride, dtype=meta.dtype, device=device)
-    value.copy_(_random_values(stored, meta.dtype, gen))
+    _fill_normal(value, gen)
     return value.expand(shape) if expanded else value
 
 
@@ -125,13 +123,22 @@ def _random_laid_out(
 RANDOM_POOL = 1 << 20
 
 
-def _random_values(shape: list[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Normal random values of `shape` on the CPU, drawn from `gen`: a pool repeated."""
-    n = math.prod(shape)
-    if n <= RANDOM_POOL:
-        return torch.randn(shape, generator=gen, dtype=dtype)
-    pool = torch.randn(RANDOM_POOL, generator=gen, dtype=dtype)
-    return pool.repeat(-(-n // RANDOM_POOL))[:n].view(shape)
+def _fill_normal(value: torch.Tensor, gen: torch.Generator) -> None:
+    """Set every element of `value`'s storage (a strided layout's gaps too) to normal
+    random values drawn from `gen` on the CPU: above RANDOM_POOL of them, one pool
+    repeated, written in one pass (drawing the values whole, then copying them in, took
+    half a second per large op's inputs: 0.5 of the 1.3 s of a ResNet-50 (184) weight
+    gradient measured alone)."""
+    n = value.untyped_storage().nbytes() // value.element_size()
+    flat = torch.empty(0, dtype=value.dtype, device=value.device)
+    flat.set_(value.untyped_storage(), 0, (n,), (1,))
+    drawn = torch.randn(min(n, RANDOM_POOL), generator=gen, dtype=value.dtype)
+    pool = drawn.to(value.device)
+    repeats, rest = divmod(n, pool.numel()) if n else (0, 0)
+    if repeats:
+        flat[: repeats * pool.numel()].view(repeats, -1).copy_(pool.expand(repeats, -1))
+    if rest:
+        flat[repeats * pool.numel() :].copy_(pool[:rest])
 
 
 def _workspace_alone(node, device: torch.device, gen: torch.Generator) -> int:
