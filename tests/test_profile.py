@@ -381,6 +381,55 @@ def test_a_profile_without_a_terminal_says_each_stage_as_it_ends(capsys):
     assert quiet.stage_seconds and "profiling" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "mode, profile_batch, fits",
+    [("normal", 2, False), ("conv", 2, False), ("conv", 2, True), ("conv", 8, False)],
+)
+def test_a_profile_shows_one_bar_that_says_how_long_is_left(
+    monkeypatch, capsys, mode, profile_batch, fits
+):
+    """One bar for the whole profile, its length the seconds spent plus those estimated
+    for the stages left, and no bar of its own for any stage: every stage estimated is
+    one that ran (whichever way the profile goes), and the bar ends full."""
+    from monet_like import profile as profile_module
+    from monet_like.profile import progress as progress_module
+    from monet_like.profile import workspace as workspace_module
+    from monet_like.variants import apply
+
+    monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: fits)
+    monkeypatch.setattr(workspace_module, "OP_REMEASURE_BYTES", 0)  # every op runs alone
+    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
+    left_over, expected = [], set()
+    real_expect, real_close = progress_module.Stages.expect, progress_module.Stages.close
+
+    def expect(self, name, seconds):
+        expected.add(name)
+        assert seconds >= 0
+        real_expect(self, name, seconds)
+
+    def close(self):
+        left_over.append(dict(self.expected))
+        real_close(self)
+
+    monkeypatch.setattr(progress_module.Stages, "expect", expect)
+    monkeypatch.setattr(progress_module.Stages, "close", close)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    graph = apply(capture(model, (3, 16, 16), 8), mode)
+    measured = profile(
+        model, graph, profile_batch=profile_batch, repeats=1, use_cache=False, progress=True
+    )
+    assert left_over == [{}]
+    assert expected and expected <= set(measured.stage_seconds)
+    assert ("convolution algorithms" in expected) == (mode == "conv")
+    if profile_batch < 8 and not fits:
+        assert "large ops alone at batch 8" in expected
+    bar = capsys.readouterr().err
+    assert f"profiling {graph.model} at batch {profile_batch}" in bar and " left" in bar
+    last = bar.strip().split("\r")[-1]
+    assert "100%" in last and "done" in last
+    assert "measuring large ops" not in bar and "timing convolution algorithms" not in bar
+
+
 def test_conv_workspace_is_measured_on_cpu():
     """mkldnn convolution allocates scratch on CPU: the profiler must see it."""
     model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1))

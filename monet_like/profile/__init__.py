@@ -24,7 +24,6 @@ dtype, device and torch version.
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
 from pathlib import Path
 
@@ -42,7 +41,13 @@ from monet_like.profile.algorithms import (
     option,
 )
 from monet_like.profile.align import _with_op_times, align_times, derived_profile
-from monet_like.profile.timing import _bar_hidden, _median_times, _OpRunner
+from monet_like.profile.progress import (
+    WORKSPACE_RUN,
+    Stages,
+    algorithm_seconds,
+    alone_seconds,
+)
+from monet_like.profile.timing import _median_times, _OpRunner
 from monet_like.profile.types import (
     BUSY_LOAD_PER_CORE,
     PROFILE_FORMAT,
@@ -158,93 +163,113 @@ def profile(
             stages.done(f"graph at batch {batch}")
         return built
 
-    from tqdm import tqdm
+    from monet_like.variants import algorithm_sites
 
     scaled = profile_batch != graph.batch
     every_op = {op.index for op in graph.ops}
     at_batch: set[int] = set() if scaled else every_op  # ops whose workspace is measured there
-    stages = _Stages(graph.model, progress)
+    other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
+    fits = scaled and graph.fx is not None and _fits_in_memory(graph, device)
+    conv_sites = graph.fx is not None and bool(algorithm_sites(graph))
+    stages = Stages(
+        graph.model,
+        progress,
+        f"profiling {graph.model} at batch {profile_batch} on {device_name(device)}",
+    )
     small = graph_at(profile_batch)
     runner = _OpRunner(small, device)
     args_fn = _real_args(model, small, device, dtype)
-    bar = tqdm(
-        total=repeats + 2 + scaled,
-        desc=f"profiling {graph.model} at batch {profile_batch} on {device_name(device)}",
-        unit="run",
-        disable=_bar_hidden(progress),
-    )
 
     try:
-        spread: list[float] = []
-        # Timed runs first: the workspace run comes after a warm-up, so that the libraries'
-        # first-call allocations are not counted as an op's workspace.
-        times = _median_times(runner, args_fn, repeats, bar.update, spread)
-        stages.done(f"timed runs at batch {profile_batch}")
-        workspace, method = _workspace_at(model, small, device, dtype)
-        stages.done(f"workspace at batch {profile_batch}")
-        bar.update(1)
-        time_fit = False
-        if scaled:
-            other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
-            other_graph = graph_at(other_batch) if other_batch != profile_batch else None
-            other_times = None
+        try:
+            spread: list[float] = []
+            # Timed runs first: the workspace run comes after a warm-up, so that the
+            # libraries' first-call allocations are not counted as an op's workspace.
+            times = _median_times(runner, args_fn, repeats, lambda _n: stages.tick(), spread)
+            stages.done(f"timed runs at batch {profile_batch}")
+            linear = [t * graph.batch / profile_batch for t in times]  # a first estimate
+            _expect_stages(stages, graph, profile_batch, other_batch, repeats, fits)
+            _expect_later(stages, graph, device, profile_batch, linear, None, conv_sites)
+            workspace, method = _workspace_at(model, small, device, dtype)
+            stages.done(f"workspace at batch {profile_batch}")
+            time_fit = False
+            if scaled:
+                other_graph = graph_at(other_batch) if other_batch != profile_batch else None
+                other_times = None
 
-            def timed_at_other(warm_up: bool) -> list[float]:
-                runner = _OpRunner(other_graph, device)
-                args = _real_args(model, other_graph, device, dtype)
-                found = _median_times(runner, args, repeats, lambda _n: None, warm_up=warm_up)
-                stages.done(f"timed runs at batch {other_batch}")
-                return found
+                def timed_at_other(warm_up: bool) -> list[float]:
+                    runner = _OpRunner(other_graph, device)
+                    args = _real_args(model, other_graph, device, dtype)
+                    found = _median_times(
+                        runner, args, repeats, lambda _n: stages.tick(), warm_up=warm_up
+                    )
+                    stages.done(f"timed runs at batch {other_batch}")
+                    return found
 
-            if graph.fx is not None and _fits_in_memory(graph, device):
-                # Workspace is not linear in the batch (a library picks its blocking by
-                # shape): ResNet-50 at 224 px, batch 16, fitted from batches 4 and 8,
-                # came out 0.34 MiB under the measured peak. Measure it where it is used.
-                workspace, method = _workspace_at(model, graph, device, dtype)
-                method += f", at batch {graph.batch}"
-                at_batch = every_op
-                stages.done(f"workspace at batch {graph.batch}")
-            elif other_graph is not None:
-                # A weight reorder does not grow with the batch: fit each op's a + b * batch.
-                other, _ = _workspace_at(model, other_graph, device, dtype)
-                stages.done(f"workspace at batch {other_batch}")
-                other_times = timed_at_other(warm_up=False)  # that run warmed up
-                workspace = _extrapolate(workspace, profile_batch, other, other_batch, graph.batch)
-                method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
-                if graph.fx is not None:
-                    alone, too_large = _remeasure_alone(graph, device, workspace, progress)
-                    at_batch = set(alone)
-                    method += f"; {len(at_batch)} large ops measured alone at batch {graph.batch}"
-                    if too_large:
-                        names = ", ".join(too_large)
-                        method += f"; left as fitted, too large for the memory free: {names}"
-                    stages.done(f"large ops alone at batch {graph.batch}")
-            if other_graph is not None:
-                # Times: a small batch is dominated by per-op overhead, which a
-                # linear scaling would multiply along with the real work.
-                if other_times is None:
-                    other_times = timed_at_other(warm_up=True)
-                times = _extrapolate_float(
-                    times, profile_batch, other_times, other_batch, graph.batch
-                )
-                time_fit = True
-            bar.update(1)
-    except (RuntimeError, NotImplementedError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(
-            f"{graph.model} cannot run in {graph.dtype} on {device_name(device)}: {first}"
-        ) from None
+                if fits:
+                    # Workspace is not linear in the batch (a library picks its blocking by
+                    # shape): ResNet-50 at 224 px, batch 16, fitted from batches 4 and 8,
+                    # came out 0.34 MiB under the measured peak. Measure it where it is used.
+                    workspace, method = _workspace_at(model, graph, device, dtype)
+                    method += f", at batch {graph.batch}"
+                    at_batch = every_op
+                    stages.done(f"workspace at batch {graph.batch}")
+                elif other_graph is not None:
+                    if graph.fx is not None:
+                        grown = [w * graph.batch // profile_batch for w in workspace]
+                        _expect_later(stages, graph, device, profile_batch, linear, grown, False)
+                    # A weight reorder does not grow with the batch: fit each op's a + b * batch.
+                    other, _ = _workspace_at(model, other_graph, device, dtype)
+                    stages.done(f"workspace at batch {other_batch}")
+                    other_times = timed_at_other(warm_up=False)  # that run warmed up
+                    workspace = _extrapolate(
+                        workspace, profile_batch, other, other_batch, graph.batch
+                    )
+                    method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
+                    if graph.fx is not None:
+                        fitted = _extrapolate_float(
+                            times, profile_batch, other_times, other_batch, graph.batch
+                        )
+                        _expect_later(
+                            stages, graph, device, profile_batch, fitted, workspace, conv_sites
+                        )
+                        alone, too_large = _remeasure_alone(graph, device, workspace, stages.tick)
+                        at_batch = set(alone)
+                        method += (
+                            f"; {len(at_batch)} large ops measured alone at batch {graph.batch}"
+                        )
+                        if too_large:
+                            names = ", ".join(too_large)
+                            method += f"; left as fitted, too large for the memory free: {names}"
+                        stages.done(f"large ops alone at batch {graph.batch}")
+                if other_graph is not None:
+                    # Times: a small batch is dominated by per-op overhead, which a
+                    # linear scaling would multiply along with the real work.
+                    if other_times is None:
+                        other_times = timed_at_other(warm_up=True)
+                    times = _extrapolate_float(
+                        times, profile_batch, other_times, other_batch, graph.batch
+                    )
+                    time_fit = True
+        except (RuntimeError, NotImplementedError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"{graph.model} cannot run in {graph.dtype} on {device_name(device)}: {first}"
+            ) from None
+
+        scale = 1.0 if time_fit or not scaled else graph.batch / profile_batch
+        algorithms: dict = {}
+        if conv_sites:
+            at_solved = [t * scale for t in times]
+            _expect_later(stages, graph, device, profile_batch, at_solved, None, True)
+            algorithms = _algorithm_options(
+                graph, device, profile_batch, repeats, progress, stages.tick
+            )
+            stages.done("convolution algorithms")
+            _one_workspace_figure(graph, algorithms, workspace, at_batch)
     finally:
-        bar.close()
+        stages.close()
 
-    scale = 1.0 if time_fit or not scaled else graph.batch / profile_batch
-    from monet_like.variants import algorithm_sites
-
-    algorithms: dict = {}
-    if graph.fx is not None and algorithm_sites(graph):
-        algorithms = _algorithm_options(graph, device, profile_batch, repeats, progress)
-        stages.done("convolution algorithms")
-        _one_workspace_figure(graph, algorithms, workspace, at_batch)
     op_times = [t * scale for t in times]
     nodes = _node_profiles(graph, workspace)  # times: from op_times, by _with_op_times
     result = Profile(
@@ -274,21 +299,50 @@ def profile(
     return result
 
 
-class _Stages:
-    """Each profiling stage's seconds, in order. Without a terminal the bars are hidden:
-    a line per stage as it ends keeps a log telling where a long profile is."""
+def _expect_stages(
+    stages: Stages, graph: Graph, profile_batch: int, other_batch: int, repeats: int, fits: bool
+) -> None:
+    """The runs and graphs after the timed runs at the profile's batch, estimated from
+    those runs (a run's time scales with the batch) and the graph's building there."""
+    run_s = stages.seconds[f"timed runs at batch {profile_batch}"] / (repeats + 1)
+    stages.expect(f"workspace at batch {profile_batch}", WORKSPACE_RUN * run_s)
+    if profile_batch == graph.batch:
+        return
+    if fits:
+        stages.expect(
+            f"workspace at batch {graph.batch}", WORKSPACE_RUN * run_s * graph.batch / profile_batch
+        )
+    if other_batch == profile_batch:
+        return
+    built = stages.seconds.get(f"graph at batch {profile_batch}")
+    if built is not None:  # built, not taken from another profile's captures
+        stages.expect(f"graph at batch {other_batch}", built)
+    other_run_s = run_s * other_batch / profile_batch
+    if not fits:
+        stages.expect(f"workspace at batch {other_batch}", WORKSPACE_RUN * other_run_s)
+    warm_up = 1 if fits else 0  # otherwise the workspace run warmed it up
+    stages.expect(f"timed runs at batch {other_batch}", (repeats + warm_up) * other_run_s)
 
-    def __init__(self, model: str, progress: bool | None) -> None:
-        self.model = model
-        self.seconds: dict[str, float] = {}
-        self.started = time.perf_counter()
-        self.lines = progress is None and not sys.stderr.isatty()
 
-    def done(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[name], self.started = now - self.started, now
-        if self.lines:
-            print(f"  profiling {self.model}: {name}, {self.seconds[name]:.1f} s", flush=True)
+def _expect_later(
+    stages: Stages,
+    graph: Graph,
+    device: torch.device,
+    profile_batch: int,
+    times: list[float],
+    workspace: list[int] | None,
+    conv_sites: bool,
+) -> None:
+    """The ops to run alone (where `workspace` at the solved batch is given) and the
+    convolution algorithms (where `conv_sites`), estimated from each op's time at the
+    solved batch (`times`): first from the profile's batch scaled up, then from the fit."""
+    if workspace is not None:
+        stages.expect(
+            f"large ops alone at batch {graph.batch}",
+            alone_seconds(graph, workspace, times, device),
+        )
+    if conv_sites:
+        stages.expect("convolution algorithms", algorithm_seconds(graph, times, profile_batch))
 
 
 def _workspace_at(model: nn.Module, g: Graph, device: torch.device, dtype) -> tuple[list[int], str]:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from functools import partial
 
 import torch
 
 from monet_like.graph import Graph
-from monet_like.profile.timing import _bar_hidden, _fastest_interleaved
+from monet_like.profile.timing import _fastest_interleaved
 from monet_like.profile.workspace import _extrapolate, _random_laid_out, _workspace_of
 
 
@@ -180,6 +181,7 @@ def _algorithm_options(
     profile_batch: int,
     repeats: int,
     progress: bool | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> dict[str, dict[str, list[list]]]:
     """Every algorithm of every convolution site (variants.conv), run alone on random
     tensors of the site's shapes: [algorithm, seconds, workspace bytes] at the graph's
@@ -188,19 +190,16 @@ def _algorithm_options(
     then scaled linearly to it (only their ratios are used: problem.AlgorithmChoice).
     Workspace: measured at the graph's batch where ALGORITHM_WORKSPACE_FLOPS allows, else
     at the timing batch and a second one, fitted as a + b * batch."""
-    from tqdm import tqdm
-
     from monet_like.variants import algorithm_sites
 
     nodes = {n.name: n for n in graph.fx.graph.nodes}
     gen = torch.Generator(device="cpu").manual_seed(0)
     out: dict[str, dict[str, list[list]]] = {}
     sites = algorithm_sites(graph)
-    bar = tqdm(
-        sites, desc="timing convolution algorithms", unit="conv", disable=_bar_hidden(progress)
-    )
     measured: dict[tuple, dict[str, list[list]]] = {}  # signature -> options
-    for site in bar:
+    for site in sites:
+        if tick is not None:
+            tick()
         signature = _site_signature(site, nodes)
         if signature in measured:  # a repeated block's convolution: the same kernels
             out[site["id"]] = copy.deepcopy(measured[signature])
@@ -232,7 +231,6 @@ def _algorithm_options(
         for (direction, algo), t, ws in zip(keys, seconds, workspace, strict=True):
             entry.setdefault(direction, []).append([algo, t * graph.batch / timed_at, ws])
         out[site["id"]] = measured[signature] = entry
-    bar.close()
     if progress is not False and len(measured) < len(sites):
         print(f"  {len(sites)} convolution sites, {len(measured)} distinct: each timed once")
     return out

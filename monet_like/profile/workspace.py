@@ -4,11 +4,13 @@ solved batch does not fit, and large ops then measured alone."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from monet_like.graph import Graph
 from monet_like.memory import allocation_peak, record_allocations, store_all_peak
-from monet_like.profile.timing import _bar_hidden, _OpRunner
+from monet_like.profile.timing import _OpRunner
 
 
 def _workspace_cpu(runner: _OpRunner, args) -> tuple[list[int], str]:
@@ -205,7 +207,10 @@ def _same_call(node) -> tuple[str, tuple]:
 
 
 def _remeasure_alone(
-    graph: Graph, device: torch.device, workspace: list[int], progress: bool | None = None
+    graph: Graph,
+    device: torch.device,
+    workspace: list[int],
+    tick: Callable[[], None] | None = None,
 ) -> tuple[list[int], list[str]]:
     """Measure again, each alone at `graph`'s batch, the compute ops whose `workspace`
     (fitted) is at least OP_REMEASURE_BYTES; `workspace` is updated in place. An op is left
@@ -214,8 +219,6 @@ def _remeasure_alone(
     REMEASURE_MEMORY_SHARE of the memory free just before it, or when it fails on random
     inputs. Returns the indices measured, and the names of the ops left as fitted for lack
     of memory."""
-    from tqdm import tqdm
-
     if device.type != "cpu" or _available_memory_bytes() is None:
         return [], []
     nodes = {n.name: n for n in graph.fx.graph.nodes}
@@ -224,8 +227,9 @@ def _remeasure_alone(
         op for op in graph.ops if op.role == "compute" and workspace[op.index] >= OP_REMEASURE_BYTES
     ]
     measured, too_large = [], []
-    desc = f"measuring large ops alone at batch {graph.batch}"
-    for op in tqdm(large, desc=desc, unit="op", disable=_bar_hidden(progress)):
+    for op in large:
+        if tick is not None:
+            tick()
         node = nodes[op.name]
         inputs = _node_inputs(node)
         if not all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in inputs):

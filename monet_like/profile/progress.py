@@ -1,0 +1,144 @@
+"""A profile's progress: each stage's seconds as it ends, and one bar for the whole
+profile whose length is the seconds spent plus those estimated for the stages left, so
+that it says how long the profile has to go. The estimates come from what the profile
+has measured so far (its timed runs, its ops' times and fitted workspace) and are
+replaced as it measures more; each stage's end puts the bar back on the clock."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from monet_like.graph import Graph
+from monet_like.profile.timing import _bar_hidden
+
+# Ratios the estimates use, measured in cold profiles on this project's 2-core CPU: rough
+# (each stage's end puts the bar back on the clock).
+# A run recording allocations (the workspace run) over a timed run of the same graph:
+# 1.0 in ResNet-50's (184) profile at batches 4 and 8.
+WORKSPACE_RUN = 1.0
+# An op measured alone at the solved batch (random inputs written, the library's first
+# call at those shapes) over its time in the step there: 2.5 in ResNet-50's (184).
+ALONE_OVER_STEP = 2.5
+# A convolution site's algorithms timed and measured (each algorithm of each direction,
+# over rounds, and their workspace at two batches) over the site's forward and backward
+# in the step, at the batch they are timed at: 52 in ResNet-50's (184), 22 in
+# ResNet-18's (32, 64 px).
+ALGORITHM_CALLS = 40.0
+
+
+class Stages:
+    """Each stage's seconds, in order (`seconds`), and the profile's bar.
+
+    `expect(name, seconds)` sets the estimate of a stage to come; `done(name)` ends the
+    running stage; `tick()` moves the bar within one (an op, a site). Without an
+    estimate yet there is no bar. Without a terminal (`progress` None) the bar is hidden
+    and a line per stage as it ends keeps a log telling where a long profile is."""
+
+    def __init__(self, model: str, progress: bool | None, desc: str) -> None:
+        self.model = model
+        self.seconds: dict[str, float] = {}
+        self.expected: dict[str, float] = {}
+        self.began = self.started = time.perf_counter()
+        self.lines = progress is None and not sys.stderr.isatty()
+        self.hidden = _bar_hidden(progress)
+        self.desc = desc
+        self.bar = None
+
+    def expect(self, name: str, seconds: float) -> None:
+        self.expected[name] = max(0.0, seconds)
+        self.tick()
+
+    def left_s(self) -> float:
+        """The seconds the stages expected are estimated to take from now: those of the
+        running stage already spent are taken off."""
+        spent = time.perf_counter() - self.started
+        return max(0.0, sum(self.expected.values()) - spent)
+
+    def tick(self) -> None:
+        if not self.expected or self.hidden is True:
+            return
+        from tqdm import tqdm
+
+        left = self.left_s()
+        elapsed = time.perf_counter() - self.began
+        if self.bar is None:
+            self.bar = tqdm(
+                total=elapsed + left,
+                desc=self.desc,
+                disable=self.hidden,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}{postfix}",
+            )
+        self.bar.total = elapsed + left
+        self.bar.n = elapsed
+        self.bar.set_postfix_str(f"about {tqdm.format_interval(left)} left", refresh=False)
+        self.bar.refresh()
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name], self.started = now - self.started, now
+        self.expected.pop(name, None)
+        if self.lines:
+            print(f"  profiling {self.model}: {name}, {self.seconds[name]:.1f} s", flush=True)
+        self.tick()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.n = self.bar.total
+            self.bar.set_postfix_str("done", refresh=False)
+            self.bar.close()
+
+
+def alone_seconds(
+    graph: Graph, workspace: list[int], times: list[float], device: torch.device
+) -> float:
+    """Estimated seconds of `_remeasure_alone(graph, device, workspace)`: each distinct op
+    it will run (by `_op_signature`, not measured yet in this process) ALONE_OVER_STEP
+    times its time in the step at the solved batch (`times`, per op)."""
+    from monet_like.profile.workspace import (
+        _ALONE_MEASURED,
+        OP_REMEASURE_BYTES,
+        _node_inputs,
+        _op_signature,
+    )
+
+    if device.type != "cpu" or graph.fx is None:
+        return 0.0
+    nodes = {n.name: n for n in graph.fx.graph.nodes}
+    to_run: dict[tuple, float] = {}
+    for op in graph.ops:
+        if op.role != "compute" or workspace[op.index] < OP_REMEASURE_BYTES:
+            continue
+        node = nodes[op.name]
+        inputs = _node_inputs(node)
+        if not all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in inputs):
+            continue
+        signature = _op_signature(node, device)
+        if signature not in _ALONE_MEASURED:
+            to_run.setdefault(signature, times[op.index])
+    return ALONE_OVER_STEP * sum(to_run.values())
+
+
+def algorithm_seconds(graph: Graph, times: list[float], profile_batch: int) -> float:
+    """Estimated seconds of `_algorithm_options(graph, ...)`: each distinct convolution
+    site ALGORITHM_CALLS times its forward and backward in the step (`times`, per op, at
+    the solved batch) scaled to the batch its algorithms are timed at."""
+    from monet_like.profile.algorithms import _site_signature, _timing_batch
+    from monet_like.variants import algorithm_sites
+
+    if graph.fx is None:
+        return 0.0
+    nodes = {n.name: n for n in graph.fx.graph.nodes}
+    index = {op.name: op.index for op in graph.ops}
+    per_site: dict[tuple, float] = {}
+    for site in algorithm_sites(graph):
+        forward = nodes[site["forward"][0]]
+        weight, out = forward.args[1].meta["val"].shape, forward.meta["val"].shape
+        timed_at = _timing_batch(weight, out, graph.batch, profile_batch)
+        step_s = times[index[site["forward"][0]]]
+        if site["backward"]:
+            step_s += times[index[site["backward"]]]
+        per_site.setdefault(_site_signature(site, nodes), step_s * timed_at / graph.batch)
+    return ALGORITHM_CALLS * sum(per_site.values())
