@@ -376,6 +376,19 @@ def test_the_variant_graphs_times_are_put_on_the_captured_profiles_footing(resne
     assert again.predicted_time_s == pytest.approx(kept.predicted_time_s, rel=1e-9)
 
 
+def test_profiles_far_apart_in_speed_are_said_to_be(resnet_newnode):
+    """A variant graph's profile taken with the machine four times slower is aligned as
+    any other, and the line that says so names how far apart the two profiles ran."""
+    import dataclasses
+
+    model, shape, batch, captured, graph, reference, prof = resnet_newnode
+    slow = dataclasses.replace(prof, op_times_s=[4 * t for t in prof.op_times_s])
+    said = align_times(slow, graph, reference, captured).aligned
+    assert said.startswith(align_times(prof, graph, reference, captured).aligned[:30])
+    apart = float(said.split("ran ")[1].split("x apart")[0])
+    assert apart > 2.0 and "busier machine" in said
+
+
 def test_sites_turned_off_replay_the_aten_ops_they_replaced(resnet_newnode, tmp_path):
     """Every choosable site off: the replay runs threshold_backward again (and no mask),
     bitwise equal to eager, and its simulated peak matches the measured one."""

@@ -31,6 +31,13 @@ def _with_op_times(prof: Profile, graph: Graph, op_times: list[float]) -> Profil
     )
 
 
+# Two profiles whose common ops ran more than this many times apart in speed are said
+# to: the alignment then carries a large correction to the ops only one graph runs (a
+# profile taken beside other work measured a tenfold one; two quiet ones taken one
+# after the other by the time-to-schedule benchmark, 1.36).
+SPEEDS_APART = 1.5
+
+
 def align_times(prof: Profile, graph: Graph, reference: Profile, captured: Graph) -> Profile:
     """`prof` (of `graph`, the captured graph with variants rewritten in) with its times
     put on the same footing as `reference` (of `captured`), so that the two graphs'
@@ -56,11 +63,18 @@ def align_times(prof: Profile, graph: Graph, reference: Profile, captured: Graph
     if prof.aligned and times == own:
         return prof
     aligned = _with_op_times(prof, graph, times)
-    return replace(
-        aligned,
-        aligned=f"{len(common)} of {n} ops timed as in the captured graph's profile,"
-        f" the other {n - len(common)} scaled by {speed:.3f}",
+    said = (
+        f"{len(common)} of {n} ops timed as in the captured graph's profile,"
+        f" the other {n - len(common)} scaled by {speed:.3f}"
     )
+    apart = max(speed, 1 / speed) if speed > 0 else 1.0
+    if apart > SPEEDS_APART:
+        said += (
+            f" (the two profiles ran {apart:.2f}x apart in speed: one was taken on a busier"
+            " machine, or on another day; the graph's own ops are trusted as far as that"
+            " ratio holds for them)"
+        )
+    return replace(aligned, aligned=said)
 
 
 def _counterparts(graph: Graph, captured: Graph) -> dict[int, int]:
