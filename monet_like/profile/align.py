@@ -33,8 +33,9 @@ def _with_op_times(prof: Profile, graph: Graph, op_times: list[float]) -> Profil
 
 # Two profiles whose common ops ran more than this many times apart in speed are said
 # to: the alignment then carries a large correction to the ops only one graph runs (a
-# profile taken beside other work measured a tenfold one; two quiet ones taken one
-# after the other by the time-to-schedule benchmark, 1.36).
+# profile taken beside other work measured a tenfold one; two taken one after the
+# other by the time-to-schedule benchmark, nothing else running, 1.36 and 1.71 in two
+# runs: a shared host's speed moves).
 SPEEDS_APART = 1.5
 
 
@@ -70,9 +71,8 @@ def align_times(prof: Profile, graph: Graph, reference: Profile, captured: Graph
     apart = max(speed, 1 / speed) if speed > 0 else 1.0
     if apart > SPEEDS_APART:
         said += (
-            f" (the two profiles ran {apart:.2f}x apart in speed: one was taken on a busier"
-            " machine, or on another day; the graph's own ops are trusted as far as that"
-            " ratio holds for them)"
+            f" (the two profiles ran {apart:.2f}x apart in speed: the machine was slower"
+            " during one; the graph's own ops are right as far as that ratio holds for them)"
         )
     return replace(aligned, aligned=said)
 
