@@ -97,25 +97,12 @@ def alone_seconds(
     """Estimated seconds of `_remeasure_alone(graph, device, workspace)`: each distinct op
     it will run (by `_op_signature`, not measured yet in this process) ALONE_OVER_STEP
     times its time in the step at the solved batch (`times`, per op)."""
-    from monet_like.profile.workspace import (
-        _ALONE_MEASURED,
-        OP_REMEASURE_BYTES,
-        _node_inputs,
-        _op_signature,
-    )
+    from monet_like.profile.workspace import _ALONE_MEASURED, _large_ops
 
     if device.type != "cpu" or graph.fx is None:
         return 0.0
-    nodes = {n.name: n for n in graph.fx.graph.nodes}
     to_run: dict[tuple, float] = {}
-    for op in graph.ops:
-        if op.role != "compute" or workspace[op.index] < OP_REMEASURE_BYTES:
-            continue
-        node = nodes[op.name]
-        inputs = _node_inputs(node)
-        if not all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in inputs):
-            continue
-        signature = _op_signature(node, device)
+    for op, _node, signature in _large_ops(graph, workspace, device):
         if signature not in _ALONE_MEASURED:
             to_run.setdefault(signature, times[op.index])
     return ALONE_OVER_STEP * sum(to_run.values())

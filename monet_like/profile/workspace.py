@@ -221,20 +221,11 @@ def _remeasure_alone(
     of memory."""
     if device.type != "cpu" or _available_memory_bytes() is None:
         return [], []
-    nodes = {n.name: n for n in graph.fx.graph.nodes}
     gen = torch.Generator(device="cpu").manual_seed(0)
-    large = [
-        op for op in graph.ops if op.role == "compute" and workspace[op.index] >= OP_REMEASURE_BYTES
-    ]
     measured, too_large = [], []
-    for op in large:
+    for op, node, signature in _large_ops(graph, workspace, device):
         if tick is not None:
             tick()
-        node = nodes[op.name]
-        inputs = _node_inputs(node)
-        if not all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in inputs):
-            continue
-        signature = _op_signature(node, device)
         if signature not in _ALONE_MEASURED:
             touched = sum(graph.storages[i].nbytes for i in {*op.reads, *op.outputs})
             # Read per op: what other processes hold moves. Was half of what was free before
@@ -252,6 +243,20 @@ def _remeasure_alone(
             workspace[op.index] = _ALONE_MEASURED[signature]
             measured.append(op.index)
     return measured, too_large
+
+
+def _large_ops(graph: Graph, workspace: list[int], device: torch.device):
+    """(op, its fx node, `_op_signature`) of each compute op whose `workspace` is at least
+    OP_REMEASURE_BYTES and whose inputs are all floating-point tensors (random indices or
+    masks could be invalid): the ops `_remeasure_alone` runs, in order."""
+    nodes = {n.name: n for n in graph.fx.graph.nodes}
+    for op in graph.ops:
+        if op.role != "compute" or workspace[op.index] < OP_REMEASURE_BYTES:
+            continue
+        node = nodes[op.name]
+        inputs = _node_inputs(node)
+        if all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in inputs):
+            yield op, node, _op_signature(node, device)
 
 
 def _fits_in_memory(graph: Graph, device: torch.device) -> bool:
