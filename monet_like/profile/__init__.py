@@ -133,8 +133,9 @@ def profile(
     """Measure per-node times and workspace of `graph` (captured from `model`).
 
     `model` must hold real parameters (not "meta"). `profile_batch` defaults to the
-    graph's batch on CUDA and to min(batch, 4) on CPU. `progress`: True shows progress
-    bars, False nothing, None bars on a terminal and otherwise a line per stage.
+    graph's batch on CUDA and to min(batch, 4) on CPU. `progress`: True shows a bar
+    with the time left (`monet_like.profile.progress`), False nothing, None the bar on a
+    terminal and otherwise a line per stage.
     `captures`: a dict kept by the caller across profiles of `model`'s graphs (the
     captured graph and its variants'): the model captured at each smaller batch is
     kept there and taken again by the next profile instead of being captured again.
