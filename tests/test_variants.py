@@ -672,3 +672,37 @@ def test_each_graphs_formulation_and_lp_are_built_once(monkeypatch, conv_block_f
     rebuilt = solve(graph, own, budget, mode=FULL, solver="HIGHS", baseline=baseline)
     assert rebuilt.variants == reused.variants and rebuilt.stages == reused.stages
     assert rebuilt.predicted_time_s == pytest.approx(reused.predicted_time_s, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "expression, shape, batch",
+    [
+        ("torchvision.models.resnet18()", (3, 32, 32), 2),
+        ("torchvision.models.mobilenet_v2()", (3, 32, 32), 2),
+        ("gpt(depth=1, dim=32, heads=2, vocab_size=50)", (16,), 2),
+    ],
+)
+@pytest.mark.parametrize("mode", [FULL, "inplace"])
+def test_a_rewrite_propagates_only_what_it_changed_and_derives_the_same_graph(
+    expression, shape, batch, mode, monkeypatch
+):
+    """The fake values run again only where a rewrite changed them give the same storages
+    (aliasing included), ops, nodes and sites as values propagated through every node."""
+    import monet_like.variants as variants
+
+    graph = capture(parse_model(expression).build(), shape, batch)
+    calls, changed_only_propagation = [], variants._propagate_changed
+
+    def counted(source, gm):
+        ran = changed_only_propagation(source, gm)
+        calls.append((ran, sum(n.op == "call_function" for n in gm.graph.nodes)))
+        return ran
+
+    monkeypatch.setattr(variants, "_propagate_changed", counted)
+    changed_only = apply(graph, mode)
+    # each rewrite ran a part of its graph: the rewritten nodes and what their change reaches
+    assert calls and all(ran is not None and ran < nodes // 2 for ran, nodes in calls), calls
+    monkeypatch.setattr(variants, "_propagate_changed", lambda source, gm: None)
+    everywhere = apply(graph, mode)
+    for field in ("storages", "ops", "nodes", "values", "sites", "output_storages"):
+        assert getattr(changed_only, field) == getattr(everywhere, field), field
