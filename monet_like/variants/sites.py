@@ -10,25 +10,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 from monet_like.graph import BACKWARD, Graph, written_args
 
-# Each fake value's storage key, computed once: the rewrites build `Uses` anew after each
-# change (49 times for ResNet-50's BatchNorm backwards), over values that mostly stay.
-_STORAGE_KEYS = WeakIdKeyDictionary()
+
+def _storage_key(t: torch.Tensor) -> int:
+    """Which storage `t` lives in: its address, unique while the graph being rewritten
+    holds it (the rewritten copy's values are that graph's, or run from them). `Uses` is
+    built anew after each change: a weak reference, looked up in a weak dictionary,
+    took five times as long."""
+    return t.untyped_storage()._cdata
 
 
-def _storage_key(t: torch.Tensor) -> StorageWeakRef:
-    key = _STORAGE_KEYS.get(t)
-    if key is None:
-        key = _STORAGE_KEYS[t] = StorageWeakRef(t.untyped_storage())
-    return key
-
-
-def _keys(value: Any) -> list[StorageWeakRef]:
+def _keys(value: Any) -> list[int]:
     if isinstance(value, torch.Tensor):
         return [_storage_key(value)]
     if value is None:
@@ -44,11 +39,11 @@ class Uses:
     def __init__(self, graph: Graph, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
         self.position: dict[str, int] = {}
-        self.touches: dict[StorageWeakRef, list[int]] = {}
-        self.placeholder_keys: set[StorageWeakRef] = set()
+        self.touches: dict[int, list[int]] = {}
+        self.placeholder_keys: set[int] = set()
         phase = {op.name: op.phase for op in graph.ops}
         self.backward: set[str] = set()
-        keys: dict[torch.fx.Node, list[StorageWeakRef]] = {}  # each node's, once
+        keys: dict[torch.fx.Node, list[int]] = {}  # each node's, once
         for i, n in enumerate(gm.graph.nodes):
             self.position[n.name] = i
             keys[n] = _keys(n.meta.get("val"))
@@ -64,7 +59,7 @@ class Uses:
             for k in touched:
                 self.touches.setdefault(k, []).append(i)
 
-    def key(self, node: torch.fx.Node) -> StorageWeakRef:
+    def key(self, node: torch.fx.Node) -> int:
         keys = _keys(node.meta.get("val"))
         if len(keys) != 1:
             raise ValueError(f"{node.name} does not hold exactly one tensor")
