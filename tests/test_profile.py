@@ -262,9 +262,9 @@ def test_ops_alike_are_measured_alone_once(monkeypatch):
     runs = []
     real_alone = workspace_module._workspace_alone
 
-    def counted(node, device, gen):
+    def counted(node, device, gen, arena=None):
         runs.append(node.name)
-        return real_alone(node, device, gen)
+        return real_alone(node, device, gen, arena)
 
     monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
     forwards = [op for op in graph.ops if op.target == "aten.convolution.default"]
@@ -328,9 +328,9 @@ def test_a_convolution_at_pytorchs_algorithm_is_measured_alone_once_for_both_gra
     runs = []
     real_alone = workspace_module._workspace_alone
 
-    def counted(node, device, gen):
+    def counted(node, device, gen, arena=None):
         runs.append(str(node.target))
-        return real_alone(node, device, gen)
+        return real_alone(node, device, gen, arena)
 
     monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
     second, _ = workspace_module._remeasure_alone(graph, torch.device("cpu"), [0] * len(graph.ops))
@@ -721,3 +721,52 @@ def test_large_random_inputs_repeat_one_pool_of_normal_values():
     more = 2 * gaps.shape[0]  # more rows than the gaps were laid out for: dense
     rows = _random_laid_out(gaps, more, gen, cpu)
     assert rows.shape == (more, 200) and rows.is_contiguous() and torch.isfinite(rows).all()
+
+
+def test_ops_run_alone_take_their_inputs_from_one_reused_buffer_and_measure_the_same():
+    """The inputs of ops run alone are laid out in one buffer, reused op after op (fresh
+    memory is paged in at its first write): each input as the graph lays it out, apart
+    from the others, random; and the workspace measured is that with inputs of their own."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from monet_like.profile.workspace import (
+        _InputArena,
+        _random_laid_out,
+        _span,
+        _workspace_alone,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+    arena = _InputArena(cpu)
+    metas = [
+        torch.empty(2, 8, 16, 16).to(memory_format=torch.channels_last),
+        torch.empty(30, 300, dtype=torch.float64)[:, :200],
+        torch.empty(3, 5),
+    ]
+    arena.reset(arena.nbytes_for(metas))
+    values = [_random_laid_out(m, None, gen, cpu, arena) for m in metas]
+    for meta, value in zip(metas, values, strict=True):
+        assert value.shape == meta.shape and value.stride() == meta.stride()
+        assert value.dtype == meta.dtype and value.std().item() > 0.5
+        assert value.untyped_storage().data_ptr() == arena.buffer.data_ptr()
+        assert value.data_ptr() % 64 == 0
+    spans = [
+        (v.data_ptr(), v.data_ptr() + v.element_size() * _span(v.shape, v.stride())) for v in values
+    ]
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), "no overlap"
+    with pytest.raises(RuntimeError, match="too small"):
+        arena.take((1000,), (1,), torch.float32)
+
+    def step(x, w, g):
+        return torch.ops.aten.convolution_backward(
+            g, x, w, None, [1], [1], [1], False, [0], 1, [True, True, False]
+        )
+
+    x, w = torch.randn(8, 16, 32, 32), torch.randn(32, 16, 3, 3)
+    graph = make_fx(step, tracing_mode="fake")(x, w, torch.randn(8, 32, 32, 32))
+    node = next(n for n in graph.graph.nodes if n.op == "call_function")
+    own = _workspace_alone(node, cpu, gen)
+    assert own > 0
+    assert _workspace_alone(node, cpu, gen, arena) == own
+    assert arena.buffer.numel() >= arena.nbytes_for([x, w, torch.empty(8, 32, 32, 32)])

@@ -91,7 +91,11 @@ def _node_inputs(node) -> list:
 
 
 def _random_laid_out(
-    meta: torch.Tensor, rows: int | None, gen: torch.Generator, device: torch.device
+    meta: torch.Tensor,
+    rows: int | None,
+    gen: torch.Generator,
+    device: torch.device,
+    arena: _InputArena | None = None,
 ) -> torch.Tensor:
     """Random values of `meta`'s shape (its first dimension `rows` long, if given) laid out
     in memory as the graph's value is: a kernel copies an input that is not contiguous, and
@@ -100,7 +104,8 @@ def _random_laid_out(
     tensor (ViT's patch-embedding gradient, a view of the token sequence, which the im2col
     backward copies: 48 KiB above the prediction where a dense one had been measured),
     and stride 0 where the value is broadcast (the gradient of a sum reaching a network's
-    last convolution, copied whole in each part of the im2col backward)."""
+    last convolution, copied whole in each part of the im2col backward). In `arena`'s
+    buffer where given, else in a storage of its own."""
     shape = list(meta.shape) if rows is None else [rows, *meta.shape[1:]]
     stride = list(meta.stride())
     if rows is not None and rows > meta.shape[0] and meta.dim() > 1:
@@ -113,7 +118,10 @@ def _random_laid_out(
             step *= shape[d] if meta.stride(d) else 1
     expanded = [d for d in range(meta.dim()) if stride[d] == 0 and shape[d] > 1]
     stored = [1 if d in expanded else n for d, n in enumerate(shape)]
-    value = torch.empty_strided(stored, stride, dtype=meta.dtype, device=device)
+    if arena is None:
+        value = torch.empty_strided(stored, stride, dtype=meta.dtype, device=device)
+    else:
+        value = arena.take(stored, stride, meta.dtype)
     _fill_normal(value, gen)
     return value.expand(shape) if expanded else value
 
@@ -126,14 +134,14 @@ RANDOM_POOL = 1 << 20
 
 
 def _fill_normal(value: torch.Tensor, gen: torch.Generator) -> None:
-    """Set every element of `value`'s storage (a strided layout's gaps too) to normal
-    random values drawn from `gen` on the CPU: above RANDOM_POOL of them, one pool
-    repeated, written in one pass (drawing the values whole, then copying them in, took
-    half a second per large op's inputs: 0.5 of the 1.3 s of a ResNet-50 (184) weight
-    gradient measured alone)."""
-    n = value.untyped_storage().nbytes() // value.element_size()
+    """Set every element of the storage span `value` covers (a strided layout's gaps
+    too) to normal random values drawn from `gen` on the CPU: above RANDOM_POOL of them,
+    one pool repeated, written in one pass (drawing the values whole, then copying them
+    in, took half a second per large op's inputs: 0.5 of the 1.3 s of a ResNet-50 (184)
+    weight gradient measured alone)."""
+    n = _span(value.shape, value.stride())
     flat = torch.empty(0, dtype=value.dtype, device=value.device)
-    flat.set_(value.untyped_storage(), 0, (n,), (1,))
+    flat.set_(value.untyped_storage(), value.storage_offset(), (n,), (1,))
     drawn = torch.randn(min(n, RANDOM_POOL), generator=gen, dtype=value.dtype)
     pool = drawn.to(value.device)
     repeats, rest = divmod(n, pool.numel()) if n else (0, 0)
@@ -143,12 +151,67 @@ def _fill_normal(value: torch.Tensor, gen: torch.Generator) -> None:
         flat[repeats * pool.numel() :].copy_(pool[:rest])
 
 
-def _workspace_alone(node, device: torch.device, gen: torch.Generator) -> int:
-    """Workspace of `node`'s op run once by itself on random inputs of its shapes."""
+def _span(shape, stride) -> int:
+    """Elements of storage a tensor of this shape and stride covers."""
+    if any(n == 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+
+
+# Offsets in the arena: PyTorch's CPU allocator aligns each allocation so.
+ARENA_ALIGNMENT = 64
+
+
+class _InputArena:
+    """One buffer that the random inputs of the ops run alone are laid out in, op after
+    op: fresh memory is paged in at its first write, 0.1 s more per 564 MiB on this
+    machine, and the inputs of ResNet-50's (184) large ops are tens of GB in all."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=device)
+        self.used = 0
+
+    @staticmethod
+    def nbytes_for(values: list[torch.Tensor]) -> int:
+        """Bytes `take` uses for tensors laid out as `values`, one after the other."""
+        sizes = [_span(v.shape, v.stride()) * v.element_size() for v in values]
+        return sum(-(-n // ARENA_ALIGNMENT) * ARENA_ALIGNMENT for n in sizes)
+
+    def reset(self, nbytes: int) -> None:
+        """Start again at the buffer's beginning, with room for `nbytes` (a larger
+        buffer replaces it where it has less)."""
+        if self.buffer.numel() < nbytes:
+            self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)  # freed first
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.used = 0
+
+    def take(self, shape, stride, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of this shape, stride and dtype in the buffer, after those taken."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        nbytes = _span(shape, stride) * size
+        if self.used + nbytes > self.buffer.numel():
+            raise RuntimeError("input arena too small: reset it with the op's input bytes")
+        value = torch.empty(0, dtype=dtype, device=self.device)
+        value.set_(self.buffer.untyped_storage(), self.used // size, tuple(shape), tuple(stride))
+        self.used += -(-nbytes // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
+        return value
+
+
+def _workspace_alone(
+    node, device: torch.device, gen: torch.Generator, arena: _InputArena | None = None
+) -> int:
+    """Workspace of `node`'s op run once by itself on random inputs of its shapes (in
+    `arena`, where given: the inputs are allocated before the op and not counted)."""
     from torch.fx.node import Node, map_aggregate
 
+    if arena is not None:
+        arena.reset(arena.nbytes_for([v for v in _node_inputs(node) if v is not None]))
+
     def real(a):  # laid out as in the graph, broadcast (stride 0) values included
-        return _random_laid_out(a.meta["val"], None, gen, device) if isinstance(a, Node) else a
+        if not isinstance(a, Node):
+            return a
+        return _random_laid_out(a.meta["val"], None, gen, device, arena)
 
     args, kwargs = map_aggregate((node.args, node.kwargs), real)
     return _workspace_of(lambda: node.target(*args, **kwargs), device)
@@ -222,6 +285,7 @@ def _remeasure_alone(
     if device.type != "cpu" or _available_memory_bytes() is None:
         return [], []
     gen = torch.Generator(device="cpu").manual_seed(0)
+    arena = _InputArena(device)
     measured, too_large = [], []
     for op, node, signature in _large_ops(graph, workspace, device):
         if tick is not None:
@@ -231,12 +295,12 @@ def _remeasure_alone(
             # Read per op: what other processes hold moves. Was half of what was free before
             # the first op, which left VGG-16's (176) largest backward (10.5 GiB with its
             # fitted scratch, on a 24 GB machine) fitted at twice its scratch in some runs.
-            free = _available_memory_bytes() or 0
+            free = (_available_memory_bytes() or 0) + arena.buffer.numel()  # reused
             if touched + workspace[op.index] > REMEASURE_MEMORY_SHARE * free:
                 too_large.append(op.name)
                 continue
             try:
-                _ALONE_MEASURED[signature] = _workspace_alone(node, device, gen)
+                _ALONE_MEASURED[signature] = _workspace_alone(node, device, gen, arena)
             except (RuntimeError, NotImplementedError):
                 _ALONE_MEASURED[signature] = None  # fails on random inputs: as fitted
         if _ALONE_MEASURED[signature] is not None:
