@@ -142,37 +142,43 @@ def _propagate_changed(source: torch.fx.GraphModule, gm: torch.fx.GraphModule) -
     present = {n.name for n in gm.graph.nodes}
     values = lambda n: map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))  # noqa: E731
     ran = 0
+    adopted: set[str] = set()  # source nodes whose value a new node took over
 
-    with mode, torch.no_grad():
-        for n in gm.graph.nodes:
-            if n.op in ("placeholder", "output", "get_attr"):
-                continue
-            old = before.get(n.name)
-            same_op = old is not None and old.op == n.op and old.target == n.target
-            fresh = _fresh_result(n.target)
-            if same_op and (
-                _identical(values(n), values(old)) or (fresh and _alike(values(n), values(old)))
-            ):
-                n.meta["val"] = old.meta.get("val")
-                continue
-            args, kwargs = values(n)
-            result = n.target(*args, **kwargs)
-            ran += 1
-            value = map_aggregate(
-                result, lambda v: snapshot_fake(v) if isinstance(v, FakeTensor) else v
-            )
-            # The node it runs in place of (a rewrite's new op), or its own former self:
-            # where both make a new storage laid out alike, the source's value stands.
-            replaced = before.get((n.meta.get("replaces") or [""])[-1]) if old is None else old
-            if (
-                fresh
-                and replaced is not None
-                and (replaced is old or replaced.name not in present)
-                and _fresh_result(replaced.target)
-                and _alike(value, replaced.meta.get("val"))
-            ):
-                value = replaced.meta["val"]
-            n.meta["val"] = value
+    try:
+        with mode, torch.no_grad():
+            for n in gm.graph.nodes:
+                if n.op in ("placeholder", "output", "get_attr"):
+                    continue
+                old = before.get(n.name)
+                same_op = old is not None and old.op == n.op and old.target == n.target
+                fresh = _fresh_result(n.target)
+                if same_op and (
+                    _identical(values(n), values(old)) or (fresh and _alike(values(n), values(old)))
+                ):
+                    n.meta["val"] = old.meta.get("val")
+                    continue
+                args, kwargs = values(n)
+                result = n.target(*args, **kwargs)
+                ran += 1
+                value = map_aggregate(
+                    result, lambda v: snapshot_fake(v) if isinstance(v, FakeTensor) else v
+                )
+                # The node it runs in place of (a rewrite's new op), or its own former self:
+                # where both make a new storage laid out alike, the source's value stands.
+                replaced = before.get((n.meta.get("replaces") or [""])[-1]) if old is None else old
+                if (
+                    fresh
+                    and replaced is not None
+                    and (replaced is old or replaced.name not in present)
+                    and replaced.name not in adopted
+                    and _fresh_result(replaced.target)
+                    and _alike(value, replaced.meta.get("val"))
+                ):
+                    value = replaced.meta["val"]
+                    adopted.add(replaced.name)
+                n.meta["val"] = value
+    except Exception:  # an op fake values cannot run this way: the whole propagation runs
+        return None
     return ran
 
 
