@@ -152,12 +152,15 @@ def _propagate_changed(source: torch.fx.GraphModule, gm: torch.fx.GraphModule) -
                 old = before.get(n.name)
                 same_op = old is not None and old.op == n.op and old.target == n.target
                 fresh = _fresh_result(n.target)
-                if same_op and (
-                    _identical(values(n), values(old)) or (fresh and _alike(values(n), values(old)))
-                ):
-                    n.meta["val"] = old.meta.get("val")
-                    continue
-                args, kwargs = values(n)
+                inputs = values(n)
+                if same_op:
+                    then = values(old)
+                    if _same(inputs, then, _identical) or (
+                        fresh and _same(inputs, then, _laid_out_alike)
+                    ):
+                        n.meta["val"] = old.meta.get("val")
+                        continue
+                args, kwargs = inputs
                 result = n.target(*args, **kwargs)
                 ran += 1
                 value = map_aggregate(
@@ -172,7 +175,7 @@ def _propagate_changed(source: torch.fx.GraphModule, gm: torch.fx.GraphModule) -
                     and (replaced is old or replaced.name not in present)
                     and replaced.name not in adopted
                     and _fresh_result(replaced.target)
-                    and _alike(value, replaced.meta.get("val"))
+                    and _same(value, replaced.meta.get("val"), _laid_out_alike)
                 ):
                     value = replaced.meta["val"]
                     adopted.add(replaced.name)
@@ -182,15 +185,32 @@ def _propagate_changed(source: torch.fx.GraphModule, gm: torch.fx.GraphModule) -
     return ran
 
 
-def _identical(a, b) -> bool:
-    """Same structure, the very same tensors, equal other values."""
+def _same(a, b, tensors_match) -> bool:
+    """Same structure, tensors that `tensors_match`, equal other values."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return a is b
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and tensors_match(a, b)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(
+            _same(x, y, tensors_match) for x, y in zip(a, b, strict=True)
+        )
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_same(a[k], b[k], tensors_match) for k in a)
     return type(a) is type(b) and a == b
+
+
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b
+
+
+def _laid_out_alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same shape, strides, offset, dtype and device."""
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def _target_name(target) -> str:
@@ -207,25 +227,6 @@ def _fresh_result(target) -> bool:
     return all(r.alias_info is None for r in schema.returns) and not any(
         a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
     )
-
-
-def _alike(a, b) -> bool:
-    """Same structure, and tensors of the same shape, strides, offset, dtype and device."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.shape == b.shape
-            and a.stride() == b.stride()
-            and a.storage_offset() == b.storage_offset()
-            and a.dtype == b.dtype
-            and a.device == b.device
-        )
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_alike(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_alike(a[k], b[k]) for k in a)
-    return type(a) is type(b) and a == b
 
 
 def apply(
