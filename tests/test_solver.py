@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,7 +36,12 @@ from monet_like.solver import (
     solve,
 )
 from monet_like.solver.backends import RawResult
-from monet_like.solver.backends.cbc import _cbc_bound_before_restart, _cbc_matrix, _shuffled
+from monet_like.solver.backends.cbc import (
+    _cbc_bound_before_restart,
+    _cbc_matrix,
+    _shuffled,
+    cbc_rows,
+)
 from monet_like.solver.backends.highs import is_feasible, relaxation, relaxation_infeasible
 from monet_like.solver.backends.pulp import _CbcLogWatch, _pulp_bound, children_running
 from monet_like.solver.cuts import CutSeparator, root_cuts, with_cuts
@@ -1033,6 +1039,26 @@ def test_a_shuffled_copy_solves_to_the_same_schedules(resnet18_problem):
 
 
 @pytest.mark.parametrize("depth", [DEFAULT_DEPTH, None])
+def test_a_shuffled_copy_takes_the_cbc_rows_reordered(resnet18_problem, depth):
+    """A raced CBC search reorders the rows its problem holds (substituted once, before
+    the racers fork) instead of substituting the sums out again: they are the rows its
+    shuffled copy would get."""
+    _, _, problem, low = resnet18_problem
+    f = formulate(problem, depth)
+    rhs = _rhs_for(f, between(low, problem, 0.3))
+    assert "cbc_rows" not in _shuffled(f, rhs, None, seed=1)[0].cache  # none to reorder
+    cbc_rows(f, rhs)
+    for seed in (1, 2):
+        g, rhs_g, _, _ = _shuffled(f, rhs, None, seed)
+        assert "cbc_rows" in g.cache
+        reordered = cbc_rows(g, rhs_g)
+        built = _cbc_matrix(replace(g, cache={}), rhs_g, minimize_budget=False)
+        assert (reordered.a != built.a).nnz == 0 and reordered.a.shape == built.a.shape
+        for got, want in zip(reordered[1:], built[1:], strict=True):
+            assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("depth", [DEFAULT_DEPTH, None])
 def test_cbc_rows_without_the_running_sums_are_the_rows_as_built(resnet18_problem, depth):
     """CBC gets the rows with the running sums substituted out (all continuous columns
     in the compact formulation, all but the frees in the full one). For any binaries
@@ -1045,12 +1071,13 @@ def test_cbc_rows_without_the_running_sums_are_the_rows_as_built(resnet18_proble
     f = formulate(problem, depth)
     budget = between(low, problem, 0.3)
     rhs = _rhs_for(f, budget)
-    a, b, is_eq, n_cont = _cbc_matrix(f, rhs, minimize_budget=False)
+    a, b, is_eq, n_cont, source = _cbc_matrix(f, rhs, minimize_budget=False)
     assert n_cont == len(f.free_columns) and a.shape[1] == f.n_bool + n_cont
     sums = np.setdiff1d(np.arange(f.n_cont), f.free_columns)
     a_c = f.a_cont.tocsc()
     defining = f.is_eq & (f.a_cont.getnnz(axis=1) > 0)
     assert a.shape[0] == f.n_rows - defining.sum()
+    assert np.array_equal(source, np.flatnonzero(~defining))
     best = solve_formulation(f, budget, "HIGHS", 120, workers=1).x_bool
     rng = np.random.default_rng(0)
     for trial in range(6):

@@ -20,7 +20,12 @@ from monet_like.errors import UserError
 from monet_like.profile import align_times, derived_profile
 from monet_like.solution import Solution
 from monet_like.solver.backends import RawResult, relative_gap
-from monet_like.solver.backends.cbc import CBC_FINISHED, cbc_seeded, merge_cbc_outcomes
+from monet_like.solver.backends.cbc import (
+    CBC_FINISHED,
+    cbc_rows,
+    cbc_seeded,
+    merge_cbc_outcomes,
+)
 from monet_like.solver.backends.highs import (
     is_feasible,
     known_infeasible,
@@ -598,6 +603,7 @@ def _cbc_beside_windows(
         return RawResult("feasible", x, cost_s, bound, relative_gap(cost_s, bound), 0.0, "CBC",
                          "windows")  # fmt: skip
 
+    cbc_rows(f, rhs)  # once, before the racers fork
     outcomes = race(run, 2, lambda r: r.status in CBC_FINISHED, False, deadline)
     return merge_cbc_outcomes(outcomes, gap, time.perf_counter() - started)
 

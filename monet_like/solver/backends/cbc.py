@@ -9,6 +9,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import scipy.sparse as sp
@@ -69,10 +70,22 @@ def eliminate_sums(
     return a, b, is_eq[rest]
 
 
-def _cbc_matrix(f, rhs, minimize_budget):
+class CbcRows(NamedTuple):
+    """The rows CBC gets: `a` over [binaries, continuous columns (`n_cont`), budget (when
+    minimizing it)], `rhs`, which are equalities, and which of the formulation's rows
+    each one is (`source`)."""
+
+    a: sp.csr_matrix
+    rhs: np.ndarray
+    is_eq: np.ndarray
+    n_cont: int
+    source: np.ndarray
+
+
+def _cbc_matrix(f, rhs, minimize_budget) -> CbcRows:
     """The rows CBC gets, over [binaries, free columns (full formulation), budget (when
     minimizing it)]: the running sums substituted out (`eliminate_sums`) where they can
-    be; as (matrix, right-hand sides, equality rows, number of continuous columns)."""
+    be, every continuous column kept where they cannot."""
     sums = np.setdiff1d(np.arange(f.n_cont), f.free_columns)
     a_c = f.a_cont.tocsc()
     kept = [f.a_bool, a_c[:, f.free_columns]]
@@ -82,21 +95,38 @@ def _cbc_matrix(f, rhs, minimize_budget):
     reduced = eliminate_sums(a_kept, a_c[:, sums], rhs, f.is_eq)
     if reduced is None:  # as built: every continuous column stays
         kept = [f.a_bool, a_c] + kept[2:]
-        return sp.hstack(kept).tocsr(), rhs, f.is_eq, f.n_cont
+        return CbcRows(sp.hstack(kept).tocsr(), rhs, f.is_eq, f.n_cont, np.arange(f.n_rows))
     a, b, is_eq = reduced
-    return a, b, is_eq, len(f.free_columns)
+    defining = f.is_eq & (a_c[:, sums].getnnz(axis=1) > 0)  # as eliminate_sums takes them
+    return CbcRows(a, b, is_eq, len(f.free_columns), np.flatnonzero(~defining))
 
 
-def _cbc_rows(f, rhs, minimize_budget):
+def cbc_rows(f, rhs, minimize_budget=False) -> CbcRows:
     """`_cbc_matrix`'s rows, kept on `f` for its last right-hand sides: the window
     searches solve one budget's problem many times with other columns pinned, and
-    substituting the sums out takes seconds on a large model (6 s on ResNet-50)."""
+    substituting the sums out takes seconds on a large model (1.7 s on ResNet-50 at
+    184). Call it before racers fork: each then shuffles these rows (`_shuffled`)
+    instead of substituting again, which two racers did side by side in 33 to 44 s
+    where one alone took 1.7 s (their BLAS threads, two each, on two cores)."""
     key = (rhs.tobytes(), bool(minimize_budget))
     cached = f.cache.get("cbc_rows")
     if cached is None or cached[0] != key:
         cached = (key, _cbc_matrix(f, rhs, minimize_budget))
         f.cache["cbc_rows"] = cached
     return cached[1]
+
+
+def _rows_reordered(rows: CbcRows, n_bool: int, order, row_order) -> CbcRows:
+    """`rows` of a formulation as its copy with binary column j = column `order[j]` and
+    row i = row `row_order[i]` has them (what `_cbc_matrix` gives on that copy)."""
+    position = np.full(len(row_order), -1)
+    position[rows.source] = np.arange(len(rows.source))
+    taken = position[row_order]
+    taken = taken[taken >= 0]
+    columns = np.concatenate([order, np.arange(n_bool, rows.a.shape[1])])
+    source = np.argsort(row_order)[rows.source[taken]]
+    a = rows.a[taken].tocsc()[:, columns].tocsr()
+    return CbcRows(a, rows.rhs[taken], rows.is_eq[taken], rows.n_cont, source)
 
 
 STOPPED = ("stopped on time", "stopped on user event")  # CBC's words for a search cut short
@@ -130,7 +160,7 @@ def _cbc_run(f, rows, time_limit, gap, verbose, minimize_budget, pins, cutoff) -
     from cylp.cy import CyClpSimplex
     from cylp.py.modeling.CyLPModel import CyLPArray, CyLPModel
 
-    a, rhs, is_eq, n_cont = rows
+    a, rhs, is_eq, n_cont, _ = rows
     model = CyLPModel()
     x = model.addVariable("x", f.n_bool, isInt=True)
     variables = [(x, slice(0, f.n_bool))]
@@ -207,6 +237,7 @@ def _solve_cbc(
     def run(seed, stop):
         return cbc_seeded(f, rhs, time_limit, gap, verbose and seed == 0, pins, cutoff, seed)
 
+    cbc_rows(f, rhs)  # once, before the racers fork
     deadline = None if not time_limit else time.perf_counter() + time_limit
     outcomes = race(run, workers, lambda r: r.status in CBC_FINISHED, False, deadline)
     return merge_cbc_outcomes(outcomes, gap)
@@ -253,7 +284,8 @@ def cbc_seeded(f, rhs, time_limit, gap, verbose, pins, cutoff, seed: int) -> Raw
 def _shuffled(f: Formulation, rhs: np.ndarray, pins, seed: int):
     """`f` with its binary columns and its rows in a random order drawn from `seed`
     (seed 0: as given), with `rhs` and `pins` to match, and the column order (None
-    for seed 0): column j of the result is column order[j] of `f`."""
+    for seed 0): column j of the result is column order[j] of `f`. The CBC rows `f`
+    holds for `rhs` (`cbc_rows`) come with it, reordered."""
     if seed == 0:
         return f, rhs, pins, None
     rng = np.random.default_rng(seed)
@@ -266,7 +298,13 @@ def _shuffled(f: Formulation, rhs: np.ndarray, pins, seed: int):
     )  # fmt: skip
     if pins is not None:
         pins = (np.argsort(order)[pins[0]], pins[1])
-    return g, rhs[rows], pins, order
+    rhs_g = rhs[rows]
+    key = (rhs.tobytes(), False)
+    cached = f.cache.get("cbc_rows")
+    if cached is not None and cached[0] == key:
+        reordered = _rows_reordered(cached[1], f.n_bool, order, rows)
+        g.cache["cbc_rows"] = ((rhs_g.tobytes(), False), reordered)
+    return g, rhs_g, pins, order
 
 
 def _cbc_search(
@@ -283,7 +321,7 @@ def _cbc_search(
     that did not restart finishes (a run that finds nothing below the cutoff holds no
     schedule to fix columns by, so it cannot restart) or the time runs out."""
     started = time.perf_counter()
-    rows = _cbc_rows(f, rhs, minimize_budget)  # each re-solve below reuses them
+    rows = cbc_rows(f, rhs, minimize_budget)  # each re-solve below reuses them
     run = _cbc_run(f, rows, time_limit, gap, verbose, minimize_budget, pins, cutoff)
     if run.status == "infeasible" and not run.restarted:
         if cutoff is not None:
