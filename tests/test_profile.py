@@ -476,6 +476,30 @@ def test_convolutions_alike_are_timed_once(monkeypatch):
     assert options[0].keys() != options[1].keys()  # no backward-data where no input gradient
 
 
+def test_convolution_algorithms_workspace_is_recorded_in_a_timed_round_not_the_warm_up():
+    """A convolution option's workspace is recorded while it is timed, in the first round
+    after the warm-up: a library's set-up on a first call (here 4 MiB of scratch) is not
+    the call's workspace (1 MiB), and no round of its own is run."""
+    from monet_like.profile.algorithms import _timed_and_measured
+
+    runs = []
+
+    def call(name: str, setup_bytes: int, scratch_bytes: int):
+        def run():
+            first = name not in runs
+            runs.append(name)
+            scratch = torch.empty(setup_bytes if first else scratch_bytes, dtype=torch.uint8)
+            del scratch
+
+        return run
+
+    calls = [call("a", 4 << 20, 1 << 20), call("b", 8 << 20, 2 << 20)]
+    seconds, workspace = _timed_and_measured(calls, torch.device("cpu"), rounds=3)
+    assert workspace == [1 << 20, 2 << 20]
+    assert len(seconds) == 2 and all(t > 0 for t in seconds)
+    assert len(runs) == 2 * (3 + 1)  # the warm-up and three timed rounds, nothing more
+
+
 @pytest.mark.parametrize("timing_flops, workspace_flops", [(1e9, 1e10), (1, 1e10), (1, 1)])
 def test_convolution_algorithms_workspace_at_the_solved_batch(
     monkeypatch, timing_flops, workspace_flops
