@@ -13,7 +13,9 @@ seconds). Writes a CSV and a PNG.
         [--profiles 1] [--no_frees] [--out out/]
 
 With `--profiles N` (N > 1) each model is profiled N times afresh (the cache neither
-read nor written) and every budget solved on each profile: a table then gives, per
+read nor written; each profile saved in `--out` as `profile_<model>_<mode>_<k>.json`,
+`monet_like.profile.Profile.from_json` reads it back) and every budget solved on each
+profile: a table then gives, per
 budget and solver, the median and the worst solve time and gap over the profiles, and
 how many were proved (a solve's time and proof move with the profile's noise).
 `--no_frees` (as in `solve.py`) ends each solve at the compact formulation's search:
@@ -133,6 +135,11 @@ def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> li
     fresh = args.profiles > 1
     prof = profile(model, graph, profile_batch=profile_batch, progress=False, use_cache=not fresh)
     which = f" (profile {k + 1} of {args.profiles})" if fresh else ""
+    if fresh:  # kept, so that a slow or unproved solve can be solved again on its profile
+        saved = os.path.join(args.out, f"profile_{name}_{args.mode}_{k + 1}.json")
+        with open(saved, "w") as fh:
+            fh.write(prof.to_json())
+        which += f", saved to {saved}"
     print(
         f"\n{name} batch {batch}, mode {args.mode}{which}: {len(graph.nodes)} nodes;"
         f" profiled at batch {profile_batch} in {time.perf_counter() - t0:.0f} s"
