@@ -154,13 +154,14 @@ def _race(run: Callable[..., Any], seed: int, send, talks: bool, workers: int) -
     # wait for the solver's C code to return: die at once instead.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        with cores_shared(workers):
-            if talks:  # a SIGINT is its stop (the deadline's, or the user's Ctrl-C)
-                interrupted: list[int] = []
-                signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
+        if talks:  # a SIGINT is its stop (the deadline's, or the user's Ctrl-C)
+            interrupted: list[int] = []
+            signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
+            with cores_shared(workers):
                 answer = run(seed, lambda: bool(interrupted), lambda m: send.send((_SAID, m)))
-            else:
-                signal.signal(signal.SIGINT, signal.SIG_IGN)  # only a solve in progress stops
+        else:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # only a solve in progress stops
+            with cores_shared(workers):
                 answer = run(seed, None)
         send.send((_ANSWER, answer))
     finally:
