@@ -33,7 +33,7 @@ def eliminate_sums(
     a_kept: sp.spmatrix, a_sums: sp.spmatrix, rhs: np.ndarray, is_eq: np.ndarray
 ) -> tuple[sp.csr_matrix, np.ndarray, np.ndarray] | None:
     """The rows `a_kept @ x + a_sums @ s (== or <=) rhs` with the columns `s` substituted
-    out, as (matrix over `x`, right-hand sides, which rows are equalities); None unless
+    out, as (matrix over `x`, right-hand sides, the indices of the rows kept); None unless
     each column of `s` is defined by an equality row of its own (a square, nonsingular
     system), as the running sums y, z, b, q (and the full formulation's freed bytes) are.
 
@@ -67,7 +67,7 @@ def eliminate_sums(
     a.data[np.abs(a.data) < 1e-9] = 0.0
     a.eliminate_zeros()
     b = rhs[rest] - np.asarray(through @ solved[:, -1].toarray()).ravel()
-    return a, b, is_eq[rest]
+    return a, b, np.flatnonzero(rest)
 
 
 class CbcRows(NamedTuple):
@@ -96,9 +96,8 @@ def _cbc_matrix(f, rhs, minimize_budget) -> CbcRows:
     if reduced is None:  # as built: every continuous column stays
         kept = [f.a_bool, a_c] + kept[2:]
         return CbcRows(sp.hstack(kept).tocsr(), rhs, f.is_eq, f.n_cont, np.arange(f.n_rows))
-    a, b, is_eq = reduced
-    defining = f.is_eq & (a_c[:, sums].getnnz(axis=1) > 0)  # as eliminate_sums takes them
-    return CbcRows(a, b, is_eq, len(f.free_columns), np.flatnonzero(~defining))
+    a, b, kept = reduced
+    return CbcRows(a, b, f.is_eq[kept], len(f.free_columns), kept)
 
 
 def cbc_rows(f, rhs, minimize_budget=False) -> CbcRows:
@@ -108,12 +107,22 @@ def cbc_rows(f, rhs, minimize_budget=False) -> CbcRows:
     184). Call it before racers fork: each then shuffles these rows (`_shuffled`)
     instead of substituting again, which two racers did side by side in 33 to 44 s
     where one alone took 1.7 s (their BLAS threads, two each, on two cores)."""
-    key = (rhs.tobytes(), bool(minimize_budget))
+    rows = _rows_held(f, rhs, minimize_budget)
+    if rows is None:
+        rows = _cbc_matrix(f, rhs, minimize_budget)
+        f.cache["cbc_rows"] = (_rows_key(rhs, minimize_budget), rows)
+    return rows
+
+
+def _rows_key(rhs: np.ndarray, minimize_budget: bool) -> tuple:
+    return rhs.tobytes(), bool(minimize_budget)
+
+
+def _rows_held(f, rhs, minimize_budget=False) -> CbcRows | None:
+    """The CBC rows `f` holds for these right-hand sides (`cbc_rows`), if any."""
     cached = f.cache.get("cbc_rows")
-    if cached is None or cached[0] != key:
-        cached = (key, _cbc_matrix(f, rhs, minimize_budget))
-        f.cache["cbc_rows"] = cached
-    return cached[1]
+    key = _rows_key(rhs, minimize_budget)
+    return cached[1] if cached is not None and cached[0] == key else None
 
 
 def _rows_reordered(rows: CbcRows, n_bool: int, order, row_order) -> CbcRows:
@@ -299,11 +308,10 @@ def _shuffled(f: Formulation, rhs: np.ndarray, pins, seed: int):
     if pins is not None:
         pins = (np.argsort(order)[pins[0]], pins[1])
     rhs_g = rhs[rows]
-    key = (rhs.tobytes(), False)
-    cached = f.cache.get("cbc_rows")
-    if cached is not None and cached[0] == key:
-        reordered = _rows_reordered(cached[1], f.n_bool, order, rows)
-        g.cache["cbc_rows"] = ((rhs_g.tobytes(), False), reordered)
+    held = _rows_held(f, rhs)
+    if held is not None:
+        reordered = _rows_reordered(held, f.n_bool, order, rows)
+        g.cache["cbc_rows"] = (_rows_key(rhs_g, False), reordered)
     return g, rhs_g, pins, order
 
 
