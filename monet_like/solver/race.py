@@ -157,12 +157,12 @@ def _race(run: Callable[..., Any], seed: int, send, talks: bool, workers: int) -
         if talks:  # a SIGINT is its stop (the deadline's, or the user's Ctrl-C)
             interrupted: list[int] = []
             signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
-            with cores_shared(workers):
-                answer = run(seed, lambda: bool(interrupted), lambda m: send.send((_SAID, m)))
+            how = (lambda: bool(interrupted), lambda m: send.send((_SAID, m)))
         else:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # only a solve in progress stops
-            with cores_shared(workers):
-                answer = run(seed, None)
+            how = (None,)
+        with cores_shared(workers):
+            answer = run(seed, *how)
         send.send((_ANSWER, answer))
     finally:
         send.close()
