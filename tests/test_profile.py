@@ -308,6 +308,60 @@ def test_both_graphs_profiles_capture_the_model_once_per_smaller_batch(monkeypat
     assert len(reference.op_times_s) == len(alone.op_times_s) == len(captured.ops)
 
 
+def test_two_graphs_timed_runs_are_put_on_one_footing_run_by_run():
+    """Runs of two graphs taken one after the other: each run is scaled so that the
+    shared ops take the same total, which takes out a busy spell during one graph's
+    runs; a shared op gets one time for both graphs, and each graph's own ops keep their
+    ratio to the shared ones."""
+    from monet_like.profile.timing import _pooled_medians
+
+    # a: shared ops 1 s and 2 s, its own op 0.5 s, all its runs during a spell at half
+    # speed; b: its own op 0.3 s, then the shared ops, at full speed
+    a_runs = [[2.0, 4.0, 1.0]] * 3
+    b_runs = [[0.3, 1.0, 2.0], [0.3, 1.0, 2.0], [0.6, 2.0, 4.0]]  # its last run slowed too
+    times_a, times_b = _pooled_medians(a_runs, b_runs, {0: 1, 1: 2})
+    assert times_a[:2] == times_b[1:]  # one time per shared op
+    assert times_a[2] / times_a[0] == pytest.approx(0.5)
+    assert times_b[0] / times_b[1] == pytest.approx(0.3)
+
+
+def test_the_captured_graphs_timed_runs_are_taken_beside_the_variants_graphs():
+    """A mode's two profiles: the captured graph's timed runs are taken at each batch
+    right after the variants' graph's, and the ops both run get one time, so that the
+    alignment between them finds no speed apart; with the captured graph's profile
+    cached, only the variants' graph is timed."""
+    from monet_like.profile import align_times
+    from monet_like.profile.align import _counterparts
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+    captured, graph = pipeline.capture_graphs(model, (3, 16, 16), 16, "inplace_normal")
+    prof, (_, reference) = pipeline.profile_graphs(
+        model, captured, graph, profile_batch=2, repeats=3, lines=False
+    )
+    beside = [s for s in prof.stage_seconds if s.startswith("the captured graph's timed runs")]
+    assert beside == [
+        "the captured graph's timed runs at batch 2",
+        "the captured graph's timed runs at batch 4",
+    ]
+    assert not any("timed runs" in stage for stage in reference.stage_seconds)
+    assert reference.time_spread is not None
+    shared = _counterparts(graph, captured)
+    assert shared and len(shared) < len(graph.ops)  # the ReLU is rewritten
+    assert all(prof.op_times_s[i] == reference.op_times_s[j] for i, j in shared.items())
+    assert "scaled by 1.000" in align_times(prof, graph, reference, captured).aligned
+
+    other, (_, again) = pipeline.profile_graphs(
+        model,
+        *pipeline.capture_graphs(model, (3, 16, 16), 16, "multiway"),
+        profile_batch=2,
+        repeats=3,
+        lines=False,
+    )
+    assert again.cached and not other.cached
+    assert not any(s.startswith("the captured graph's") for s in other.stage_seconds)
+
+
 def test_a_convolution_at_pytorchs_algorithm_is_measured_alone_once_for_both_graphs(
     monkeypatch,
 ):

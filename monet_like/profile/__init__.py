@@ -40,14 +40,19 @@ from monet_like.profile.algorithms import (
     backward_option,
     option,
 )
-from monet_like.profile.align import _with_op_times, align_times, derived_profile
+from monet_like.profile.align import (
+    _counterparts,
+    _with_op_times,
+    align_times,
+    derived_profile,
+)
 from monet_like.profile.progress import (
     WORKSPACE_RUN,
     Stages,
     algorithm_seconds,
     alone_seconds,
 )
-from monet_like.profile.timing import _median_times, _OpRunner
+from monet_like.profile.timing import _median_times, _OpRunner, _pooled_medians
 from monet_like.profile.types import (
     BUSY_LOAD_PER_CORE,
     PROFILE_FORMAT,
@@ -78,6 +83,7 @@ __all__ = [
     "align_times",
     "backward_option",
     "cache_path",
+    "cached_profile",
     "derived_profile",
     "device_name",
     "option",
@@ -129,6 +135,7 @@ def profile(
     use_cache: bool = True,
     progress: bool | None = None,
     captures: dict | None = None,
+    beside: Graph | None = None,
 ) -> Profile:
     """Measure per-node times and workspace of `graph` (captured from `model`).
 
@@ -139,11 +146,15 @@ def profile(
     `captures`: a dict kept by the caller across profiles of `model`'s graphs (the
     captured graph and its variants'): the model captured at each smaller batch is
     kept there and taken again by the next profile instead of being captured again.
+    `beside`: another graph of `model` (the captured graph, where `graph` has variants)
+    to be profiled next with the same `captures`: its timed runs at each batch are taken
+    right after `graph`'s, both put on one footing run by run (`timing._pooled_medians`)
+    and kept there: the ops the two graphs share get one time, and each graph's own ops
+    are measured against them in the same minute, not minutes apart.
     """
     device = torch.device(device or graph.device)
     dtype = getattr(torch, graph.dtype)
-    if profile_batch is None:
-        profile_batch = graph.batch if device.type == "cuda" else min(graph.batch, 4)
+    profile_batch = _profile_batch(graph, profile_batch, device)
     if not 1 <= profile_batch <= graph.batch:
         raise UserError(f"profile batch must be between 1 and {graph.batch}, got {profile_batch}")
     if any(p.is_meta for p in model.parameters()):
@@ -163,6 +174,38 @@ def profile(
         if batch != graph.batch and not reused:  # seconds on a large model
             stages.done(f"graph at batch {batch}")
         return built
+
+    beside_too = beside is not None and captures is not None and beside.fx is not None
+    shared = _counterparts(graph, beside) if beside_too else {}
+
+    def time_beside(batch: int, run_s: float, own_runs: list, own: list[float]) -> list[float]:
+        """`beside`'s timed runs at `batch`, right after `graph`'s (`own_runs`, their
+        medians `own`): both put on one footing (`_pooled_medians`), `beside`'s kept in
+        `captures`, `graph`'s returned (`own` where there is no `beside`)."""
+        if not beside_too:
+            return own
+        stages.expect(f"{BESIDE} timed runs at batch {batch}", (repeats + 1) * run_s)
+        other = _graph_at(model, beside, batch, device, captures)
+        found: list[float] = []
+        beside_runs: list[list[float]] = []
+        started_runs = time.perf_counter()
+        theirs = _median_times(
+            _OpRunner(other, device),
+            _real_args(model, other, device, dtype),
+            repeats,
+            lambda _n: stages.tick(),
+            found,
+            runs=beside_runs,
+        )
+        if own_runs and beside_runs:
+            own, theirs = _pooled_medians(own_runs, beside_runs, shared)
+        captures[_timed_key(beside, batch, device)] = {
+            "times": theirs,
+            "spread": found,
+            "run_s": (time.perf_counter() - started_runs) / (repeats + 1),
+        }
+        stages.done(f"{BESIDE} timed runs at batch {batch}")
+        return own
 
     from monet_like.variants import algorithm_sites
 
@@ -186,10 +229,30 @@ def profile(
             spread: list[float] = []
             # Timed runs first: the workspace run comes after a warm-up, so that the
             # libraries' first-call allocations are not counted as an op's workspace.
-            times = _median_times(runner, args_fn, repeats, lambda _n: stages.tick(), spread)
-            stages.done(f"timed runs at batch {profile_batch}")
+            taken = _timed_beside(captures, graph, profile_batch, device)
+            if taken is None:
+                started_runs, own_runs = time.perf_counter(), []
+                times = _median_times(
+                    runner, args_fn, repeats, lambda _n: stages.tick(), spread, runs=own_runs
+                )
+                run_s = (time.perf_counter() - started_runs) / (repeats + 1)
+                stages.done(f"timed runs at batch {profile_batch}")
+                times = time_beside(profile_batch, run_s, own_runs, times)
+            else:  # taken beside another graph's, in this process: already warm
+                times, run_s = taken["times"], taken["run_s"]
+                spread.extend(taken["spread"])
             linear = [t * graph.batch / profile_batch for t in times]  # a first estimate
-            _expect_stages(stages, graph, profile_batch, other_batch, repeats, fits)
+            _expect_stages(
+                stages,
+                graph,
+                profile_batch,
+                other_batch,
+                repeats,
+                fits,
+                run_s,
+                other_timed=_timed_beside(captures, graph, other_batch, device) is None,
+                beside=beside_too,
+            )
             _expect_later(stages, graph, device, profile_batch, linear, None, conv_sites)
             workspace, method = _workspace_at(model, small, device, dtype)
             stages.done(f"workspace at batch {profile_batch}")
@@ -199,13 +262,23 @@ def profile(
                 other_times = None
 
                 def timed_at_other(warm_up: bool) -> list[float]:
+                    taken = _timed_beside(captures, graph, other_batch, device)
+                    if taken is not None:
+                        return taken["times"]
                     runner = _OpRunner(other_graph, device)
                     args = _real_args(model, other_graph, device, dtype)
+                    started_runs, own_runs = time.perf_counter(), []
                     found = _median_times(
-                        runner, args, repeats, lambda _n: stages.tick(), warm_up=warm_up
+                        runner,
+                        args,
+                        repeats,
+                        lambda _n: stages.tick(),
+                        warm_up=warm_up,
+                        runs=own_runs,
                     )
+                    run_s = (time.perf_counter() - started_runs) / (repeats + int(warm_up))
                     stages.done(f"timed runs at batch {other_batch}")
-                    return found
+                    return time_beside(other_batch, run_s, own_runs, found)
 
                 if fits:
                     # Workspace is not linear in the batch (a library picks its blocking by
@@ -301,11 +374,20 @@ def profile(
 
 
 def _expect_stages(
-    stages: Stages, graph: Graph, profile_batch: int, other_batch: int, repeats: int, fits: bool
+    stages: Stages,
+    graph: Graph,
+    profile_batch: int,
+    other_batch: int,
+    repeats: int,
+    fits: bool,
+    run_s: float,
+    other_timed: bool = True,
+    beside: bool = False,
 ) -> None:
     """The runs and graphs after the timed runs at the profile's batch, estimated from
-    those runs (a run's time scales with the batch) and the graph's building there."""
-    run_s = stages.seconds[f"timed runs at batch {profile_batch}"] / (repeats + 1)
+    one of those runs (`run_s`; a run's time scales with the batch) and the graph's
+    building there. `other_timed`: the timed runs at the other batch are still to take;
+    `beside`: another graph's are taken after them (`profile`'s `beside`)."""
     stages.expect(f"workspace at batch {profile_batch}", WORKSPACE_RUN * run_s)
     if profile_batch == graph.batch:
         return
@@ -322,7 +404,25 @@ def _expect_stages(
     if not fits:
         stages.expect(f"workspace at batch {other_batch}", WORKSPACE_RUN * other_run_s)
     warm_up = 1 if fits else 0  # otherwise the workspace run warmed it up
-    stages.expect(f"timed runs at batch {other_batch}", (repeats + warm_up) * other_run_s)
+    if other_timed:
+        stages.expect(f"timed runs at batch {other_batch}", (repeats + warm_up) * other_run_s)
+    if beside:
+        stages.expect(f"{BESIDE} timed runs at batch {other_batch}", (repeats + 1) * other_run_s)
+
+
+# The stage name of the other graph's timed runs taken beside a profile's (`beside`).
+BESIDE = "the captured graph's"
+
+
+def _timed_key(graph: Graph, batch: int, device: torch.device) -> tuple:
+    """Where `captures` keeps `graph`'s timed runs at `batch` taken beside another's."""
+    return ("timed runs", graph.fingerprint, *_capture_key(graph, batch, device))
+
+
+def _timed_beside(captures: dict | None, graph: Graph, batch: int, device) -> dict | None:
+    """`graph`'s timed runs at `batch` taken beside another graph's profile (`beside`):
+    {"times", "spread", "run_s"}, or None."""
+    return None if captures is None else captures.get(_timed_key(graph, batch, device))
 
 
 def _expect_later(
@@ -362,6 +462,26 @@ def _one_workspace_figure(graph: Graph, algorithms: dict, workspace: list[int], 
     _aten_options_take(graph, algorithms, workspace, at_batch)
     for i, w in algorithm_workspace(graph, algorithms, {}).items():
         workspace[i] = w
+
+
+def _profile_batch(graph: Graph, profile_batch: int | None, device: torch.device) -> int:
+    """`profile`'s batch: the one given, else the graph's on CUDA and at most 4 on CPU."""
+    if profile_batch is not None:
+        return profile_batch
+    return graph.batch if device.type == "cuda" else min(graph.batch, 4)
+
+
+def cached_profile(
+    graph: Graph,
+    profile_batch: int | None = None,
+    device: str | torch.device | None = None,
+    progress: bool | None = None,
+) -> Profile | None:
+    """The profile `profile(model, graph, profile_batch, device)` would read from the
+    cache (or the zoo's), or None where it would profile."""
+    device = torch.device(device or graph.device)
+    path = cache_path(graph, _profile_batch(graph, profile_batch, device), device)
+    return _cached_to_use(path, progress)
 
 
 def _cached_to_use(path: Path, progress: bool | None) -> Profile | None:

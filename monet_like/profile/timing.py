@@ -42,11 +42,12 @@ def _median_times(
     progress,
     spread: list | None = None,
     warm_up: bool = True,
+    runs: list | None = None,
 ) -> list[float]:
     """Each op's median time over `repeats` timed runs of the whole graph, after one
     warm-up run (`warm_up` False: the caller has just run the graph). `spread`, where
     given, receives the relative spread of the runs' totals, (max - min) / median: how
-    far the machine's noise moved the step."""
+    far the machine's noise moved the step; `runs` each timed run's times, per op."""
     n = len(runner.graph.ops)
     samples: list[list[float]] = [[] for _ in range(n)]
     cuda = runner.device.type == "cuda"
@@ -82,7 +83,40 @@ def _median_times(
         totals = [sum(s[r] for s in samples if len(s) > r) for r in range(repeats)]
         middle = statistics.median(totals) if totals else 0.0
         spread.append((max(totals) - min(totals)) / middle if middle > 0 else 0.0)
+    if runs is not None:
+        runs.extend([s[r] if len(s) > r else 0.0 for s in samples] for r in range(repeats))
     return [statistics.median(s) if s else 0.0 for s in samples]
+
+
+def _pooled_medians(
+    a_runs: list[list[float]], b_runs: list[list[float]], pairs: dict[int, int]
+) -> tuple[list[float], list[float]]:
+    """Per-op times of two graphs from their timed runs at one batch, taken one after
+    the other, put on one footing: each run is scaled so that the ops the graphs share
+    (`pairs`: op index in a -> op index in b, the same kernels) take the same total in
+    every run, which takes out the machine's speed during that run; then each op gets
+    its median over its graph's runs, and each shared op one time for both, the median
+    over both graphs' runs. Each graph's own ops are so measured against the shared
+    ones, not against a speed estimated after fitting times to another batch (which
+    multiplies a busy spell's error by the distance between the batches). Each graph
+    has at least one run."""
+
+    def scaled(runs: list[list[float]], shared: list[float], middle: float) -> list[list[float]]:
+        return [
+            [t * middle / s for t in r] if s > 0 else r for r, s in zip(runs, shared, strict=True)
+        ]
+
+    def medians(runs: list[list[float]]) -> list[float]:
+        return [statistics.median(col) for col in zip(*runs, strict=True)]
+
+    shared_a = [sum(r[i] for i in pairs) for r in a_runs]
+    shared_b = [sum(r[j] for j in pairs.values()) for r in b_runs]
+    middle = statistics.median(shared_a + shared_b)
+    a, b = scaled(a_runs, shared_a, middle), scaled(b_runs, shared_b, middle)
+    times_a, times_b = medians(a), medians(b)
+    for i, j in pairs.items():
+        times_a[i] = times_b[j] = statistics.median([r[i] for r in a] + [r[j] for r in b])
+    return times_a, times_b
 
 
 def _bar_hidden(progress: bool | None) -> bool | None:
