@@ -102,6 +102,8 @@ def _pooled_medians(
     has at least one run."""
 
     def scaled(runs: list[list[float]], shared: list[float], middle: float) -> list[list[float]]:
+        if middle <= 0:  # nothing shared took time: nothing to scale by
+            return runs
         return [
             [t * middle / s for t in r] if s > 0 else r for r, s in zip(runs, shared, strict=True)
         ]
