@@ -156,6 +156,8 @@ def compile_schedule(
         progress=None if progress is None else (lambda line: progress(f"  {line}")),
         baseline=baseline,
     )
+    # Read before the schedule's graph is chosen: a derived profile has no ops run alone.
+    fit_check = getattr(prof, "alone_over_fitted", None)
     if baseline is not None and tuple(sol.variants or ()) != graph.variants:
         graph, prof = schedule_graph(sol, graph, prof, baseline)
         if progress is not None:
@@ -172,6 +174,16 @@ def compile_schedule(
         sol.extra["profile_time_spread"] = spread
     if getattr(prof, "load_per_core", None) is not None:
         sol.extra["profile_load_per_core"] = prof.load_per_core
+    if fit_check is not None:
+        from monet_like.profile.types import FIT_UNDERSTATES
+
+        sol.extra["profile_alone_over_fitted"] = fit_check
+        if fit_check > FIT_UNDERSTATES and progress is not None:
+            progress(
+                f"  the ops run alone at batch {graph.batch} for their workspace took"
+                f" {fit_check:.2f}x their fitted times: the step at this batch is likely slower"
+                " than predicted, and the overheads larger (docs/benchmarks.md#time-fit)"
+            )
     if getattr(prof, "noisy", "") and progress is not None:
         progress(
             f"  the profile is unsure: {prof.noisy}; predicted times are no surer than that"

@@ -95,6 +95,14 @@ def main(argv=None) -> int:
         print(f"{name:28s} {f:8.2f} {r:8.2f} {r / f if f else float('nan'):6.2f}")
     f, r = fitted.step_time_s, real.step_time_s
     print(f"{'step':28s} {f:8.2f} {r:8.2f} {r / f:6.2f}")
+    if fitted.alone_over_fitted is not None:
+        alone = dict(fitted.alone_seconds)
+        in_real = sum(real.op_times_s[i] for i in alone)
+        print(
+            f"the {len(alone)} ops run alone at batch {args.batch} for their workspace:"
+            f" alone {sum(alone.values()):.2f} s, {fitted.alone_over_fitted:.2f}x their fitted"
+            f" times, {sum(alone.values()) / in_real:.2f}x their time in the real step"
+        )
 
     print(
         f"\n{'budget':>7s} {'fitted: predicted':>18s} {'its schedule, real':>19s}"

@@ -422,6 +422,45 @@ def test_an_op_with_a_broadcast_input_is_measured_alone(monkeypatch):
     assert backward.index in measured
 
 
+def test_ops_run_alone_at_the_solved_batch_check_the_fitted_times(monkeypatch):
+    """Times fitted from smaller batches: the ops run alone at the solved batch for
+    their workspace are timed too, kept with the profile, and compared with their fitted
+    times; a solve says so where they took more than FIT_UNDERSTATES times as long."""
+    from monet_like import profile as profile_module
+    from monet_like.profile import types as types_module
+    from monet_like.profile import workspace as workspace_module
+
+    monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: False)
+    monkeypatch.setattr(workspace_module, "OP_REMEASURE_BYTES", 0)  # every op runs alone
+    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
+    monkeypatch.setattr(workspace_module, "_ALONE_SECONDS", {})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    graph = capture(model, (3, 16, 16), 16)
+    prof = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
+    alone = dict(prof.alone_seconds)
+    convs = {op.index for op in graph.ops if "convolution" in op.target}
+    assert convs <= set(alone) and all(s > 0 for s in alone.values())
+    fitted = sum(prof.op_times_s[i] for i in alone)
+    assert prof.alone_over_fitted == pytest.approx(sum(alone.values()) / fitted)
+    assert Profile.from_json(prof.to_json()).alone_seconds == prof.alone_seconds
+    older = json.loads(prof.to_json())
+    del older["alone_seconds"]
+    assert Profile.from_json(json.dumps(older)).alone_over_fitted is None
+    unscaled = profile(model, graph, profile_batch=16, repeats=1, use_cache=False, progress=False)
+    assert unscaled.alone_over_fitted is None  # measured at the batch: nothing fitted
+
+    for threshold, said in ((0.0, True), (1e9, False)):
+        monkeypatch.setattr(types_module, "FIT_UNDERSTATES", threshold)
+        monkeypatch.setattr(pipeline, "profile_graphs", lambda *a, **k: (prof, None))
+        lines = []
+        compiled = pipeline.compile_schedule(
+            model, (3, 16, 16), 16, budget_fraction=1.0, progress=lines.append
+        )
+        assert compiled.solution.extra["profile_alone_over_fitted"] == prof.alone_over_fitted
+        assert any("their fitted times" in line for line in lines) == said
+
+
 def test_a_profile_without_a_terminal_says_each_stage_as_it_ends(capsys):
     """Bars are hidden where no terminal shows them: a log gets a line per stage."""
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
@@ -844,7 +883,7 @@ def test_ops_run_alone_take_their_inputs_from_one_reused_buffer_and_measure_the_
     x, w = torch.randn(8, 16, 32, 32), torch.randn(32, 16, 3, 3)
     graph = make_fx(step, tracing_mode="fake")(x, w, torch.randn(8, 32, 32, 32))
     node = next(n for n in graph.graph.nodes if n.op == "call_function")
-    own = _workspace_alone(node, cpu, gen)
-    assert own > 0
-    assert _workspace_alone(node, cpu, gen, arena) == own
+    own, seconds = _workspace_alone(node, cpu, gen)
+    assert own > 0 and seconds > 0
+    assert _workspace_alone(node, cpu, gen, arena)[0] == own
     assert arena.buffer.numel() >= arena.nbytes_for([x, w, torch.empty(8, 32, 32, 32)])

@@ -212,6 +212,7 @@ def profile(
     scaled = profile_batch != graph.batch
     every_op = {op.index for op in graph.ops}
     at_batch: set[int] = set() if scaled else every_op  # ops whose workspace is measured there
+    alone_s: dict[int, float] = {}  # seconds of the ops measured alone at the solved batch
     other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
     fits = scaled and graph.fx is not None and _fits_in_memory(graph, device)
     conv_sites = graph.fx is not None and bool(algorithm_sites(graph))
@@ -307,7 +308,9 @@ def profile(
                         _expect_later(
                             stages, graph, device, profile_batch, fitted, workspace, conv_sites
                         )
-                        alone, too_large = _remeasure_alone(graph, device, workspace, stages.tick)
+                        alone, too_large = _remeasure_alone(
+                            graph, device, workspace, stages.tick, alone_s
+                        )
                         at_batch = set(alone)
                         method += (
                             f"; {len(at_batch)} large ops measured alone at batch {graph.batch}"
@@ -361,6 +364,7 @@ def profile(
         workspace_method=method,
         nodes=nodes,
         op_workspace=[(i, w) for i, w in enumerate(workspace) if w > 0],
+        alone_seconds=sorted(alone_s.items()),
         profile_seconds=time.perf_counter() - started,
         algorithms=algorithms,
         time_spread=spread[0] if spread and repeats > 1 else None,

@@ -161,6 +161,7 @@ def derived_profile(
         fingerprint=graph.fingerprint,
         nodes=nodes,
         op_workspace=[(i, w) for i, w in enumerate(workspace) if w > 0],
+        alone_seconds=[],  # the reference's are by its own op indices
         algorithms=algorithms,
         profile_seconds=0.0,
         aligned="every op timed as in the captured graph's profile; the convolution"
@@ -226,6 +227,7 @@ def at_batch(sources: list[tuple[Graph, Profile]], other: Graph) -> Profile:
         batch=batch,
         scaled=True,
         workspace_method=f"estimated from the profiles at {batches}",
+        alone_seconds=[],  # measured at another batch
         nodes=_node_profiles(other, workspace),
         op_workspace=[(i, w) for i, w in enumerate(workspace) if w > 0],
         algorithms=algorithms,

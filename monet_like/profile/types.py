@@ -15,6 +15,9 @@ from monet_like.profile.algorithms import algorithm_workspace
 PROFILE_FORMAT = 15
 
 NOISY_SPREAD = 0.10  # a profile whose timed runs differ more than this is noisy
+# Ops run alone at the solved batch taking more than this many times their fitted
+# times: a solve says the fit from smaller batches likely understates that step.
+FIT_UNDERSTATES = 1.25
 # Other work on the machine: runnable threads per core (the 1-minute load average) above
 # this while profiling. Our own step keeps about one per core busy; a second job as large
 # doubles it. Steady load can slow every op alike (a small spread) and still change their
@@ -62,6 +65,9 @@ class Profile:
     workspace_method: str
     nodes: list[NodeProfile]
     op_workspace: list[tuple[int, int]] = field(default_factory=list)  # (op index, bytes) > 0
+    # (op index, seconds) of the ops run alone at the solved batch for their workspace,
+    # where times are fitted from smaller batches: a check on the fit (`alone_over_fitted`)
+    alone_seconds: list[tuple[int, float]] = field(default_factory=list)
     op_forward_s: float = 0.0  # whole-step totals over every op, attributed or not
     op_backward_s: float = 0.0
     profile_seconds: float = 0.0
@@ -108,6 +114,18 @@ class Profile:
         return workspace
 
     @property
+    def alone_over_fitted(self) -> float | None:
+        """The ops run alone at the solved batch (`alone_seconds`): their seconds there
+        over their fitted times; None where none was run. Above 1, the fit from smaller
+        batches understates the step at this batch: on this project's 2-core CPU a real
+        ResNet-50 step at 184 took 2.3 times the fitted one, its ops run alone about 0.8
+        to 0.9 of their time in it (docs/benchmarks.md, time fit)."""
+        times = self.op_times_s
+        pairs = [(s, times[i]) for i, s in self.alone_seconds if i < len(times)]
+        fitted = sum(t for _, t in pairs)
+        return sum(s for s, _ in pairs) / fitted if pairs and fitted > 0 else None
+
+    @property
     def step_time_s(self) -> float:
         return self.op_forward_s + self.op_backward_s
 
@@ -132,6 +150,7 @@ class Profile:
         d["nodes"] = [NodeProfile(**n) for n in d["nodes"]]
         d["input_shape"] = tuple(d["input_shape"])
         d["op_workspace"] = [tuple(p) for p in d["op_workspace"]]
+        d["alone_seconds"] = [tuple(p) for p in d.get("alone_seconds", [])]
         return cls(**d)
 
 

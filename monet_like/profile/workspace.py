@@ -4,6 +4,7 @@ solved batch does not fit, and large ops then measured alone."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -203,9 +204,10 @@ class _InputArena:
 
 def _workspace_alone(
     node, device: torch.device, gen: torch.Generator, arena: _InputArena | None = None
-) -> int:
+) -> tuple[int, float]:
     """Workspace of `node`'s op run once by itself on random inputs of its shapes (in
-    `arena`, where given: the inputs are allocated before the op and not counted)."""
+    `arena`, where given: the inputs are allocated before the op and not counted), and
+    the seconds the call took (its inputs' writing not counted)."""
     from torch.fx.node import Node, map_aggregate
 
     if arena is not None:
@@ -217,13 +219,22 @@ def _workspace_alone(
         return _random_laid_out(a.meta["val"], None, gen, device, arena)
 
     args, kwargs = map_aggregate((node.args, node.kwargs), real)
-    return _workspace_of(lambda: node.target(*args, **kwargs), device)
+    seconds = []
+
+    def call():
+        started = time.perf_counter()
+        out = node.target(*args, **kwargs)
+        seconds.append(time.perf_counter() - started)
+        return out
+
+    return _workspace_of(call, device), seconds[0]
 
 
 # Workspace of ops measured alone, by `_op_signature`: a repeated block's ops, and the
 # ops the captured graph shares with its variants' graph (profiled in turn in one
 # process), are run once. Half of a cold ResNet-50 (184) profile went to these runs.
 _ALONE_MEASURED: dict[tuple, int | None] = {}  # None: it failed on random inputs
+_ALONE_SECONDS: dict[tuple, float] = {}  # the same runs' seconds
 
 
 def _op_signature(node, device: torch.device) -> tuple:
@@ -277,9 +288,11 @@ def _remeasure_alone(
     device: torch.device,
     workspace: list[int],
     tick: Callable[[], None] | None = None,
+    seconds: dict[int, float] | None = None,
 ) -> tuple[list[int], list[str]]:
     """Measure again, each alone at `graph`'s batch, the compute ops whose `workspace`
-    (fitted) is at least OP_REMEASURE_BYTES; `workspace` is updated in place. An op is left
+    (fitted) is at least OP_REMEASURE_BYTES; `workspace` is updated in place, and
+    `seconds`, where given, receives each measured op's time alone. An op is left
     as fitted when an input is not a floating-point tensor (indices, masks: random values
     could be invalid), when its inputs, outputs and fitted workspace would take more than
     REMEASURE_MEMORY_SHARE of the memory free just before it, or when it fails on random
@@ -303,12 +316,15 @@ def _remeasure_alone(
                 too_large.append(op.name)
                 continue
             try:
-                _ALONE_MEASURED[signature] = _workspace_alone(node, device, gen, arena)
+                found, _ALONE_SECONDS[signature] = _workspace_alone(node, device, gen, arena)
+                _ALONE_MEASURED[signature] = found
             except (RuntimeError, NotImplementedError):
                 _ALONE_MEASURED[signature] = None  # fails on random inputs: as fitted
         if _ALONE_MEASURED[signature] is not None:
             workspace[op.index] = _ALONE_MEASURED[signature]
             measured.append(op.index)
+            if seconds is not None and signature in _ALONE_SECONDS:
+                seconds[op.index] = _ALONE_SECONDS[signature]
     return measured, too_large
 
 
