@@ -475,15 +475,23 @@ def test_a_profile_without_a_terminal_says_each_stage_as_it_ends(capsys):
 
 
 @pytest.mark.parametrize(
-    "mode, profile_batch, fits",
-    [("normal", 2, False), ("conv", 2, False), ("conv", 2, True), ("conv", 8, False)],
+    "mode, profile_batch, fits, beside",
+    [
+        ("normal", 2, False, False),
+        ("conv", 2, False, False),
+        ("conv", 2, True, False),
+        ("conv", 8, False, False),
+        ("conv", 2, False, True),
+        ("conv", 2, True, True),
+    ],
 )
 def test_a_profile_shows_one_bar_that_says_how_long_is_left(
-    monkeypatch, capsys, mode, profile_batch, fits
+    monkeypatch, capsys, mode, profile_batch, fits, beside
 ):
     """One bar for the whole profile, its length the seconds spent plus those estimated
     for the stages left, and no bar of its own for any stage: every stage estimated is
-    one that ran (whichever way the profile goes), and the bar ends full."""
+    one that ran (whichever way the profile goes, the captured graph's timed runs taken
+    beside it or not), and the bar ends full."""
     from monet_like import profile as profile_module
     from monet_like.profile import progress as progress_module
     from monet_like.profile import workspace as workspace_module
@@ -507,12 +515,26 @@ def test_a_profile_shows_one_bar_that_says_how_long_is_left(
     monkeypatch.setattr(progress_module.Stages, "expect", expect)
     monkeypatch.setattr(progress_module.Stages, "close", close)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
-    graph = apply(capture(model, (3, 16, 16), 8), mode)
+    captured = capture(model, (3, 16, 16), 8)
+    graph = apply(captured, mode)
     measured = profile(
-        model, graph, profile_batch=profile_batch, repeats=1, use_cache=False, progress=True
+        model,
+        graph,
+        profile_batch=profile_batch,
+        repeats=1,
+        use_cache=False,
+        progress=True,
+        captures={},
+        beside=captured if beside else None,
     )
     assert left_over == [{}]
     assert expected and expected <= set(measured.stage_seconds)
+    taken_beside = {s for s in measured.stage_seconds if s.startswith("the captured graph's")}
+    assert taken_beside == (
+        {"the captured graph's timed runs at batch 2", "the captured graph's timed runs at batch 4"}
+        if beside
+        else set()
+    )
     assert ("convolution algorithms" in expected) == (mode == "conv")
     if profile_batch < 8 and not fits:
         assert "large ops alone at batch 8" in expected
