@@ -178,6 +178,22 @@ def profile(
     beside_too = beside is not None and captures is not None and beside.fx is not None
     shared = _counterparts(graph, beside) if beside_too else {}
 
+    def run_timed(g: Graph, warm_up: bool = True, spread: list | None = None, args=None):
+        """`g`'s timed runs (`_median_times`): each op's median, each run's times, and
+        the seconds of one run."""
+        runs: list[list[float]] = []
+        started_runs = time.perf_counter()
+        times = _median_times(
+            _OpRunner(g, device),
+            args or _real_args(model, g, device, dtype),
+            repeats,
+            lambda _n: stages.tick(),
+            spread,
+            warm_up,
+            runs,
+        )
+        return times, runs, (time.perf_counter() - started_runs) / (repeats + int(warm_up))
+
     def time_beside(batch: int, run_s: float, own_runs: list, own: list[float]) -> list[float]:
         """`beside`'s timed runs at `batch`, right after `graph`'s (`own_runs`, their
         medians `own`): both put on one footing (`_pooled_medians`), `beside`'s kept in
@@ -185,27 +201,32 @@ def profile(
         if not beside_too:
             return own
         stages.expect(f"{BESIDE} timed runs at batch {batch}", (repeats + 1) * run_s)
-        other = _graph_at(model, beside, batch, device, captures)
         found: list[float] = []
-        beside_runs: list[list[float]] = []
-        started_runs = time.perf_counter()
-        theirs = _median_times(
-            _OpRunner(other, device),
-            _real_args(model, other, device, dtype),
-            repeats,
-            lambda _n: stages.tick(),
-            found,
-            runs=beside_runs,
+        theirs, beside_runs, beside_run_s = run_timed(
+            _graph_at(model, beside, batch, device, captures), spread=found
         )
         if own_runs and beside_runs:
             own, theirs = _pooled_medians(own_runs, beside_runs, shared)
         captures[_timed_key(beside, batch, device)] = {
             "times": theirs,
             "spread": found,
-            "run_s": (time.perf_counter() - started_runs) / (repeats + 1),
+            "run_s": beside_run_s,
         }
         stages.done(f"{BESIDE} timed runs at batch {batch}")
         return own
+
+    def timed_at(g: Graph, batch: int, warm_up: bool, spread=None, args=None):
+        """`graph`'s times at `batch` (`g`) and the seconds of one run: as taken beside
+        another graph's profile where they were (in this process: already warm), else
+        timed now, with `beside`'s runs after them."""
+        taken = _timed_beside(captures, graph, batch, device)
+        if taken is not None:
+            if spread is not None:
+                spread.extend(taken["spread"])
+            return taken["times"], taken["run_s"]
+        times, runs, run_s = run_timed(g, warm_up, spread, args)
+        stages.done(f"timed runs at batch {batch}")
+        return time_beside(batch, run_s, runs, times), run_s
 
     from monet_like.variants import algorithm_sites
 
@@ -222,7 +243,6 @@ def profile(
         f"profiling {graph.model} at batch {profile_batch} on {device_name(device)}",
     )
     small = graph_at(profile_batch)
-    runner = _OpRunner(small, device)
     args_fn = _real_args(model, small, device, dtype)
 
     try:
@@ -230,18 +250,7 @@ def profile(
             spread: list[float] = []
             # Timed runs first: the workspace run comes after a warm-up, so that the
             # libraries' first-call allocations are not counted as an op's workspace.
-            taken = _timed_beside(captures, graph, profile_batch, device)
-            if taken is None:
-                started_runs, own_runs = time.perf_counter(), []
-                times = _median_times(
-                    runner, args_fn, repeats, lambda _n: stages.tick(), spread, runs=own_runs
-                )
-                run_s = (time.perf_counter() - started_runs) / (repeats + 1)
-                stages.done(f"timed runs at batch {profile_batch}")
-                times = time_beside(profile_batch, run_s, own_runs, times)
-            else:  # taken beside another graph's, in this process: already warm
-                times, run_s = taken["times"], taken["run_s"]
-                spread.extend(taken["spread"])
+            times, run_s = timed_at(small, profile_batch, True, spread, args_fn)
             linear = [t * graph.batch / profile_batch for t in times]  # a first estimate
             _expect_stages(
                 stages,
@@ -262,25 +271,6 @@ def profile(
                 other_graph = graph_at(other_batch) if other_batch != profile_batch else None
                 other_times = None
 
-                def timed_at_other(warm_up: bool) -> list[float]:
-                    taken = _timed_beside(captures, graph, other_batch, device)
-                    if taken is not None:
-                        return taken["times"]
-                    runner = _OpRunner(other_graph, device)
-                    args = _real_args(model, other_graph, device, dtype)
-                    started_runs, own_runs = time.perf_counter(), []
-                    found = _median_times(
-                        runner,
-                        args,
-                        repeats,
-                        lambda _n: stages.tick(),
-                        warm_up=warm_up,
-                        runs=own_runs,
-                    )
-                    run_s = (time.perf_counter() - started_runs) / (repeats + int(warm_up))
-                    stages.done(f"timed runs at batch {other_batch}")
-                    return time_beside(other_batch, run_s, own_runs, found)
-
                 if fits:
                     # Workspace is not linear in the batch (a library picks its blocking by
                     # shape): ResNet-50 at 224 px, batch 16, fitted from batches 4 and 8,
@@ -296,7 +286,8 @@ def profile(
                     # A weight reorder does not grow with the batch: fit each op's a + b * batch.
                     other, _ = _workspace_at(model, other_graph, device, dtype)
                     stages.done(f"workspace at batch {other_batch}")
-                    other_times = timed_at_other(warm_up=False)  # that run warmed up
+                    # the workspace run just before warmed it up
+                    other_times = timed_at(other_graph, other_batch, False)[0]
                     workspace = _extrapolate(
                         workspace, profile_batch, other, other_batch, graph.batch
                     )
@@ -323,7 +314,7 @@ def profile(
                     # Times: a small batch is dominated by per-op overhead, which a
                     # linear scaling would multiply along with the real work.
                     if other_times is None:
-                        other_times = timed_at_other(warm_up=True)
+                        other_times = timed_at(other_graph, other_batch, True)[0]
                     times = _extrapolate_float(
                         times, profile_batch, other_times, other_batch, graph.batch
                     )
