@@ -266,16 +266,18 @@ def profile_graphs(
     captures: dict = {}  # the model at the profile's smaller batches, captured once for both
     # The captured graph's timed runs are taken beside the variants' graph's (unless its
     # profile is cached): taken minutes apart, a shared machine's speed moves between them.
-    beside = None
-    if graph.variants and cached_profile(captured, profile_batch, device, progress=False) is None:
-        beside = captured
+    reference = None
+    if graph.variants:
+        reference = cached_profile(captured, profile_batch, device, progress=False)
+    beside = captured if graph.variants and reference is None else None
     shared = {"progress": bars, "captures": captures}
     prof = take_profile(model, graph, profile_batch, device, repeats, beside=beside, **shared)
     if progress is not None:
         progress(profile_line(prof, "with its variants" if graph.variants else ""))
     if not graph.variants:
         return prof, None
-    reference = take_profile(model, captured, profile_batch, device, repeats, **shared)
+    if reference is None:
+        reference = take_profile(model, captured, profile_batch, device, repeats, **shared)
     if progress is not None:
         progress(profile_line(reference, "as captured"))
     return prof, (captured, reference)
