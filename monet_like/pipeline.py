@@ -180,8 +180,8 @@ def compile_schedule(
         sol.extra["profile_alone_over_fitted"] = fit_check
         if fit_check > FIT_UNDERSTATES and progress is not None:
             progress(
-                f"  the ops run alone at batch {graph.batch} for their workspace took"
-                f" {fit_check:.2f}x their fitted times: the step at this batch is likely slower"
+                f"  the ops run alone at batch {graph.batch} took {fit_check:.2f}x their"
+                " fitted times: the step at this batch is likely slower"
                 " than predicted, and the overheads larger (docs/benchmarks.md#time-fit)"
             )
     if getattr(prof, "noisy", "") and progress is not None:

@@ -1,17 +1,19 @@
-"""How far a profile's fitted times are from a real step at the solved batch.
+"""How far a CPU profile's times are from a real step at the solved batch.
 
     python scripts/bench_time_fit.py [--model "torchvision.models.resnet50()"]
         [--batch 184] [--budgets 10,9,8,7,6,5] [--solver HIGHS] [--repeats 1]
 
-On CPU a profile is taken at batches 4 and 8 and each op's time fitted to the solved
-batch as a + b * batch. This script takes such a profile (the cache neither read nor
-written), then runs the captured step at the solved batch for real, op by op (one
+On CPU a profile is taken at batch 4 (and 8), and its times at the solved batch come
+from each distinct op run alone there (`profile`'s default), or, where too few ops can
+run alone, from a fit a + b * batch of timed runs at batches 4 and 8. This script takes
+both profiles side by side (the cache neither read nor written; the fit forced for the
+second), then runs the captured step at the solved batch for real, op by op (one
 warm-up run, then `--repeats` timed; the step must fit in the memory available), and
-prints the two step times by phase and op class. Then it solves each budget (normal
-mode, compact formulation) on both, and prices each schedule with the real step's
-times: the fitted profile's predicted overhead, what its schedule costs on the real
-times, and the best schedule on the real times (the regret: how much the fit's errors
-cost in the choice, not only in the figure).
+prints the step's times by phase and op class. Then it solves each budget (normal
+mode, compact formulation) on each profile and on the real times, and prices each
+schedule with the real step's times: the profile's predicted overhead, what its
+schedule costs on the real times, and the best schedule on the real times (the
+regret: how much the profile's errors cost in the choice, not only in the figure).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import argparse
 import collections
 import sys
 import time
+from unittest import mock
 
 import torch
 
+import monet_like.profile as profile_module
 from monet_like.graph import FORWARD, capture
 from monet_like.memory import store_all_peak
 from monet_like.models import parse_model
@@ -80,48 +84,55 @@ def main(argv=None) -> int:
             f"a real step at batch {args.batch} needs {needed / GIB:.1f} GiB, "
             f"{available / GIB:.1f} GiB is available: try a smaller --batch"
         )
+    profiles = {}
+    for method, coverage in (("alone", profile_module.ALONE_COVERAGE), ("fit", 1.01)):
+        started = time.perf_counter()
+        with mock.patch.object(profile_module, "ALONE_COVERAGE", coverage):
+            profiles[method] = profile(model, graph, repeats=3, use_cache=False, progress=False)
+        print(
+            f"{method}: profiled in {time.perf_counter() - started:.1f} s;"
+            f" times: {profiles[method].time_method}"
+        )
     started = time.perf_counter()
-    fitted = profile(model, graph, repeats=3, use_cache=False, progress=False)
-    print(f"profiled in {time.perf_counter() - started:.1f} s: {fitted.workspace_method}")
-    started = time.perf_counter()
-    real = real_profile(model, graph, fitted, args.repeats)
+    real = real_profile(model, graph, profiles["alone"], args.repeats)
     print(f"real step timed op by op in {time.perf_counter() - started:.1f} s (with a warm-up)")
 
-    fit_cls, real_cls = by_class(graph, fitted.op_times_s), by_class(graph, real.op_times_s)
-    title = f"seconds at batch {args.batch}"
-    print(f"\n{title:28s} {'fitted':>8s} {'real':>8s} {'ratio':>6s}")
-    for name in sorted(real_cls):
-        f, r = fit_cls.get(name, 0.0), real_cls[name]
-        print(f"{name:28s} {f:8.2f} {r:8.2f} {r / f if f else float('nan'):6.2f}")
-    f, r = fitted.step_time_s, real.step_time_s
-    print(f"{'step':28s} {f:8.2f} {r:8.2f} {r / f:6.2f}")
-    if fitted.alone_over_fitted is not None:
-        alone = dict(fitted.alone_seconds)
-        in_real = sum(real.op_times_s[i] for i in alone)
+    classes = {m: by_class(graph, p.op_times_s) for m, p in profiles.items()}
+    real_cls = by_class(graph, real.op_times_s)
+    print(
+        f"\nseconds at batch {args.batch:<11d} {'real':>8s}"
+        + "".join(f" {m:>8s} {'ratio':>6s}" for m in profiles)
+    )
+    rows = [
+        (name, real_cls[name], {m: classes[m].get(name, 0.0) for m in profiles})
+        for name in sorted(real_cls)
+    ]
+    rows.append(("step", real.step_time_s, {m: p.step_time_s for m, p in profiles.items()}))
+    for name, r, by_method in rows:
         print(
-            f"the {len(alone)} ops run alone at batch {args.batch} for their workspace:"
-            f" alone {sum(alone.values()):.2f} s, {fitted.alone_over_fitted:.2f}x their fitted"
-            f" times, {sum(alone.values()) / in_real:.2f}x their time in the real step"
+            f"{name:28s} {r:8.2f}"
+            + "".join(f" {t:8.2f} {t / r if r else float('nan'):6.2f}" for t in by_method.values())
         )
 
     print(
-        f"\n{'budget':>7s} {'fitted: predicted':>18s} {'its schedule, real':>19s}"
+        f"\n{'budget':>7s} {'profile':>7s} {'predicted':>10s} {'its schedule, real':>19s}"
         f" {'best on real':>13s} {'regret':>7s}"
     )
+    common = {"mode": "normal", "solver": args.solver, "time_limit": args.time_limit}
     for gb in (float(b) for b in args.budgets.split(",")):
         budget = int(gb * GIB)
-        common = {"mode": "normal", "solver": args.solver, "time_limit": args.time_limit}
-        on_fit = solve(graph, fitted, budget, frees=False, **common)
         on_real = solve(graph, real, budget, frees=False, **common)
-        predicted = recompute_on(on_fit, fitted) / fitted.step_time_s
-        its_real = recompute_on(on_fit, real) / real.step_time_s
         best = recompute_on(on_real, real) / real.step_time_s
-        print(
-            f"{gb:5g} GB {predicted:+17.2%} {its_real:+19.2%} {best:+13.2%}"
-            f" {100 * (its_real - best):6.2f}p"
-            + ("" if on_fit.status == on_real.status == "optimal" else " (not all proved)"),
-            flush=True,
-        )
+        for method, prof in profiles.items():
+            on_prof = solve(graph, prof, budget, frees=False, **common)
+            predicted = recompute_on(on_prof, prof) / prof.step_time_s
+            its_real = recompute_on(on_prof, real) / real.step_time_s
+            proved = on_prof.status == on_real.status == "optimal"
+            print(
+                f"{gb:5g} GB {method:>7s} {predicted:+10.2%} {its_real:+19.2%} {best:+13.2%}"
+                f" {100 * (its_real - best):6.2f}p" + ("" if proved else " (not all proved)"),
+                flush=True,
+            )
     return 0
 
 

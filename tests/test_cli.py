@@ -58,6 +58,8 @@ def test_profile_json_last_line():
         assert key in report
     assert report["nodes"] > 50 and report["store_all_peak_bytes"] > report["fixed_bytes"] > 0
     assert report["device"] == "cpu" and report["profile_batch"] == 2
+    assert report["time_method"] == "timed runs at batch 2"  # the batch itself: unscaled
+    assert "  times: timed runs at batch 2" in r.stdout
 
 
 def test_memory_command_simulates_without_allocating():

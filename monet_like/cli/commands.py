@@ -239,12 +239,9 @@ def cmd_profile(args) -> dict:
         use_cache=not args.no_cache,
     )
     how = "from the cache" if prof.cached else f"in {prof.profile_seconds:.1f} s"
-    scaled = (
-        f", times scaled x{prof.batch / prof.profile_batch:g} from batch {prof.profile_batch}"
-        if prof.scaled
-        else ""
-    )
-    print(f"  profile on {prof.device} ({how}{scaled}); workspace: {prof.workspace_method}")
+    print(f"  profile on {prof.device} ({how}); workspace: {prof.workspace_method}")
+    if prof.time_method:  # '' in a profile cached by an older release
+        print(f"  times: {prof.time_method}")
     if prof.stage_seconds and not prof.cached:
         print(
             "  profiling took " + ", ".join(f"{k} {v:.1f} s" for k, v in prof.stage_seconds.items())
@@ -274,6 +271,7 @@ def cmd_profile(args) -> dict:
         forward_time_s=prof.op_forward_s,
         backward_time_s=prof.op_backward_s,
         time_spread=prof.time_spread,
+        time_method=prof.time_method,
     )
     return report
 

@@ -20,9 +20,10 @@ from monet_like.profile.timing import _bar_hidden
 # 1.0 in ResNet-50's (184) profile at batches 4 and 8.
 WORKSPACE_RUN = 1.0
 # An op measured alone at the solved batch (random inputs written, the library's first
-# call at those shapes) over its time in the step there: 2.2 in ResNet-50's (184), 36
-# distinct ops, 7.23 s in the step, 15.6 s alone.
-ALONE_OVER_STEP = 2.2
+# call at those shapes, a few more calls for a short op) over its time at the profile's
+# batch scaled linearly: 1.5 in ResNet-50's (184) full-mode profile, both graphs' distinct
+# ops, 45.9 s alone where their scaled times were 31.0 s.
+ALONE_OVER_STEP = 1.5
 # A convolution site's algorithms timed and measured (each algorithm of each direction,
 # over rounds, and their workspace at a second batch) over the site's forward and
 # backward in the step, at the batch they are timed at: 52 in ResNet-50's (184), 22 in
@@ -93,18 +94,16 @@ class Stages:
             self.bar.close()
 
 
-def alone_seconds(
-    graph: Graph, workspace: list[int], times: list[float], device: torch.device
-) -> float:
-    """Estimated seconds of `_remeasure_alone(graph, device, workspace)`: each distinct op
-    it will run (by `_op_signature`, not measured yet in this process) ALONE_OVER_STEP
-    times its time in the step at the solved batch (`times`, per op)."""
-    from monet_like.profile.workspace import _ALONE_MEASURED, _large_ops
+def alone_seconds(graph: Graph, times: list[float], device: torch.device) -> float:
+    """Estimated seconds of `_remeasure_alone(graph, device, ...)`: each distinct op it
+    will run (by `_op_signature`, not measured yet in this process) ALONE_OVER_STEP times
+    its estimated time in the step at the solved batch (`times`, per op)."""
+    from monet_like.profile.workspace import _ALONE_MEASURED, _alone_ops
 
     if device.type != "cpu" or graph.fx is None:
         return 0.0
     to_run: dict[tuple, float] = {}
-    for op, _node, signature in _large_ops(graph, workspace, device):
+    for op, _node, signature in _alone_ops(graph, device):
         if signature not in _ALONE_MEASURED:
             to_run.setdefault(signature, times[op.index])
     return ALONE_OVER_STEP * sum(to_run.values())

@@ -64,9 +64,11 @@ class Profile:
     repeats: int
     workspace_method: str
     nodes: list[NodeProfile]
+    time_method: str = ""  # how the times were taken ('' in a profile from an older release)
     op_workspace: list[tuple[int, int]] = field(default_factory=list)  # (op index, bytes) > 0
-    # (op index, seconds) of the ops run alone at the solved batch for their workspace,
-    # where times are fitted from smaller batches: a check on the fit (`alone_over_fitted`)
+    # (op index, seconds) of the ops run alone at the solved batch, where the profile is
+    # taken at a smaller one: their times there, or where the times are fitted from two
+    # smaller batches (too few ops ran alone), a check on the fit (`alone_over_fitted`)
     alone_seconds: list[tuple[int, float]] = field(default_factory=list)
     op_forward_s: float = 0.0  # whole-step totals over every op, attributed or not
     op_backward_s: float = 0.0
@@ -116,10 +118,11 @@ class Profile:
     @property
     def alone_over_fitted(self) -> float | None:
         """The ops run alone at the solved batch (`alone_seconds`): their seconds there
-        over their fitted times; None where none was run. Above 1, the fit from smaller
-        batches understates the step at this batch: on this project's 2-core CPU a real
-        ResNet-50 step at 184 took 2.3 times the fitted one, its ops run alone about 0.8
-        to 0.9 of their time in it (docs/benchmarks.md, time fit)."""
+        over their times in the profile; None where none was run, 1 where the times are
+        theirs. Above 1, times fitted from smaller batches understate the step at this
+        batch: on this project's 2-core CPU a real ResNet-50 step at 184 took 2.3 times
+        the fitted one, its ops run alone about 0.8 to 0.9 of their time in it
+        (docs/benchmarks.md, time fit)."""
         times = self.op_times_s
         pairs = [(s, times[i]) for i, s in self.alone_seconds if i < len(times)]
         fitted = sum(t for _, t in pairs)

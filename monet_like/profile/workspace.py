@@ -1,9 +1,10 @@
 """Workspace: the bytes an op allocates while it runs above what it returns, from the
 CPU allocator's events or the CUDA allocator's peak; fitted over the batch where the
-solved batch does not fit, and large ops then measured alone."""
+solved batch does not fit, and the ops then measured (and timed) alone there."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -65,13 +66,12 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
-# Where a step at the solved batch does not fit in memory, its workspace is fitted from two
-# small batches, and each op whose fitted figure is at least this many bytes is then run
-# alone at the solved batch, on random inputs of its shapes, and measured. A library may
-# change its method with the size: oneDNN's weight gradient of VGG-16's second convolution
-# takes two activations of scratch at each batch measured from 8 to 160 and a twentieth of
-# one at 176.
-OP_REMEASURE_BYTES = 64 * 2**20
+# Ops run alone at the solved batch (`_remeasure_alone`) are timed as well: the call
+# whose allocations are recorded, and where it took less than this many seconds (the
+# recording's own cost, under a millisecond a call, would show) the median of
+# ALONE_REPEATS plain calls after it.
+ALONE_REPEAT_BELOW = 0.02
+ALONE_REPEATS = 3
 
 
 # The share of the free memory an op measured alone may take (inputs, outputs, fitted
@@ -227,7 +227,13 @@ def _workspace_alone(
         seconds.append(time.perf_counter() - started)
         return out
 
-    return _workspace_of(call, device), seconds[0]
+    workspace = _workspace_of(call, device)
+    if seconds[0] < ALONE_REPEAT_BELOW:
+        seconds.clear()
+        for _ in range(ALONE_REPEATS):
+            call()  # its result is dropped before the next call
+        return workspace, statistics.median(seconds)
+    return workspace, seconds[0]
 
 
 # Workspace of ops measured alone, by `_op_signature`: a repeated block's ops, and the
@@ -289,21 +295,23 @@ def _remeasure_alone(
     workspace: list[int],
     tick: Callable[[], None] | None = None,
     seconds: dict[int, float] | None = None,
+    workspace_too: bool = True,
 ) -> tuple[list[int], list[str]]:
-    """Measure again, each alone at `graph`'s batch, the compute ops whose `workspace`
-    (fitted) is at least OP_REMEASURE_BYTES; `workspace` is updated in place, and
-    `seconds`, where given, receives each measured op's time alone. An op is left
-    as fitted when an input is not a floating-point tensor (indices, masks: random values
-    could be invalid), when its inputs, outputs and fitted workspace would take more than
+    """Run each op that computes or writes in place alone at `graph`'s batch, on random
+    inputs of its shapes (ops alike, by `_op_signature`, once in this process): its
+    workspace replaces the figure in `workspace` (fitted from smaller batches) where
+    `workspace_too`, and `seconds`, where given, receives its time. An op is left as it
+    was when an input is not a floating-point tensor (indices, masks: random values could
+    be invalid), when its inputs, outputs and `workspace` figure would take more than
     REMEASURE_MEMORY_SHARE of the memory free just before it, or when it fails on random
-    inputs. Returns the indices measured, and the names of the ops left as fitted for lack
-    of memory."""
+    inputs. Returns the indices measured, and the names of the ops left for lack of
+    memory."""
     if device.type != "cpu" or _available_memory_bytes() is None:
         return [], []
     gen = torch.Generator(device="cpu").manual_seed(0)
     arena = _InputArena(device)
     measured, too_large = [], []
-    for op, node, signature in _large_ops(graph, workspace, device):
+    for op, node, signature in _alone_ops(graph, device):
         if tick is not None:
             tick()
         if signature not in _ALONE_MEASURED:
@@ -321,20 +329,21 @@ def _remeasure_alone(
             except (RuntimeError, NotImplementedError):
                 _ALONE_MEASURED[signature] = None  # fails on random inputs: as fitted
         if _ALONE_MEASURED[signature] is not None:
-            workspace[op.index] = _ALONE_MEASURED[signature]
+            if workspace_too:
+                workspace[op.index] = _ALONE_MEASURED[signature]
             measured.append(op.index)
             if seconds is not None and signature in _ALONE_SECONDS:
                 seconds[op.index] = _ALONE_SECONDS[signature]
     return measured, too_large
 
 
-def _large_ops(graph: Graph, workspace: list[int], device: torch.device):
-    """(op, its fx node, `_op_signature`) of each compute op whose `workspace` is at least
-    OP_REMEASURE_BYTES and whose inputs are all floating-point tensors (random indices or
-    masks could be invalid): the ops `_remeasure_alone` runs, in order."""
+def _alone_ops(graph: Graph, device: torch.device):
+    """(op, its fx node, `_op_signature`) of each op that computes or writes in place and
+    whose inputs are all floating-point tensors (random indices or masks could be
+    invalid): the ops `_remeasure_alone` runs, in order."""
     nodes = {n.name: n for n in graph.fx.graph.nodes}
     for op in graph.ops:
-        if op.role != "compute" or workspace[op.index] < OP_REMEASURE_BYTES:
+        if op.role == "view":
             continue
         node = nodes[op.name]
         inputs = _node_inputs(node)
