@@ -134,7 +134,8 @@ def test_profile_records_where_its_time_went():
     measured = profile(model, graph, profile_batch=2, repeats=1, progress=False, use_cache=False)
     stages = list(measured.stage_seconds)
     assert stages[:3] == ["graph at batch 2", "timed runs at batch 2", "workspace at batch 2"]
-    assert "graph at batch 4" in stages and "timed runs at batch 4" in stages
+    # the step at 8 fits in memory: its workspace measured there, then the ops alone
+    assert stages[3:5] == ["workspace at batch 8", "ops alone at batch 8"]
     assert all(s >= 0 for s in measured.stage_seconds.values())
     assert sum(measured.stage_seconds.values()) <= measured.profile_seconds
     assert Profile.from_json(measured.to_json()).stage_seconds == measured.stage_seconds
@@ -419,8 +420,8 @@ def test_an_op_with_a_broadcast_input_is_measured_alone(monkeypatch):
 
 def test_times_at_the_solved_batch_come_from_the_ops_run_alone_there(monkeypatch):
     """A profile taken at a smaller batch times each op alone at the solved batch and
-    takes those times; the ops not run alone (views) take their time at the profile's
-    batch scaled linearly and by the ratio the others came out at."""
+    takes those times; the views (metadata only) keep their time at the profile's
+    batch."""
     from monet_like import profile as profile_module
     from monet_like.profile import workspace as workspace_module
 
@@ -443,7 +444,43 @@ def test_times_at_the_solved_batch_come_from_the_ops_run_alone_there(monkeypatch
     assert Profile.from_json(prof.to_json()).time_method == prof.time_method
     views = [op.index for op in graph.ops if op.role == "view"]
     assert views and all(prof.op_times_s[i] > 0 for i in views)
-    assert "the others timed at batch 2 and scaled linearly" in prof.time_method
+    assert f"scaled linearly but for the {len(views)} views" in prof.time_method
+
+
+def test_an_op_reading_a_mask_runs_alone_and_one_shaped_by_its_values_does_not(monkeypatch):
+    """A boolean input takes random values (any mask is a valid mask), so an op reading
+    one is measured alone; an op whose result is shaped by its input's values returns
+    other shapes on random inputs than in the graph, and is refused (left as fitted)."""
+    from torch import fx
+
+    from monet_like.profile import workspace as workspace_module
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.register_buffer("mask", torch.rand(4, 8, 8) > 0.5)
+
+        def forward(self, x):
+            return self.conv(x).masked_fill(self.mask, 0.0)
+
+    graph = capture(Masked(), (3, 8, 8), 4)
+    masked = [op for op in graph.ops if "masked_fill" in op.target]
+    assert masked
+    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
+    measured, _ = workspace_module._remeasure_alone(
+        graph, torch.device("cpu"), [0] * len(graph.ops)
+    )
+    assert {op.index for op in masked} <= set(measured)
+
+    selecting = fx.Graph()
+    mask = selecting.placeholder("mask")
+    mask.meta["val"] = torch.empty(16, 16, dtype=torch.bool, device="meta")
+    nonzero = selecting.call_function(torch.ops.aten.nonzero.default, (mask,))
+    nonzero.meta["val"] = torch.empty(5, 2, dtype=torch.int64, device="meta")  # as traced
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(RuntimeError, match="other shapes"):
+        workspace_module._workspace_alone(nonzero, torch.device("cpu"), gen)
 
 
 def test_where_too_few_ops_run_alone_the_times_are_fitted_and_checked(monkeypatch):

@@ -136,14 +136,17 @@ RANDOM_POOL = 1 << 20
 
 def _fill_normal(value: torch.Tensor, gen: torch.Generator) -> None:
     """Set every element of the storage span `value` covers (a strided layout's gaps
-    too) to normal random values drawn from `gen` on the CPU: above RANDOM_POOL of them,
-    one pool repeated, written in one pass (drawing the values whole, then copying them
-    in, took half a second per large op's inputs: 0.5 of the 1.3 s of a ResNet-50 (184)
-    weight gradient measured alone)."""
+    too) to normal random values drawn from `gen` on the CPU (a mask: true where the
+    draw is positive): above RANDOM_POOL of them, one pool repeated, written in one
+    pass (drawing the values whole, then copying them in, took half a second per large
+    op's inputs: 0.5 of the 1.3 s of a ResNet-50 (184) weight gradient measured alone)."""
     n = _span(value.shape, value.stride())
     flat = torch.empty(0, dtype=value.dtype, device=value.device)
     flat.set_(value.untyped_storage(), value.storage_offset(), (n,), (1,))
-    drawn = torch.randn(min(n, RANDOM_POOL), generator=gen, dtype=value.dtype)
+    if value.dtype == torch.bool:
+        drawn = torch.randn(min(n, RANDOM_POOL), generator=gen) > 0
+    else:
+        drawn = torch.randn(min(n, RANDOM_POOL), generator=gen, dtype=value.dtype)
     pool = drawn.to(value.device)
     repeats, rest = divmod(n, pool.numel()) if n else (0, 0)
     if repeats:
@@ -219,21 +222,33 @@ def _workspace_alone(
         return _random_laid_out(a.meta["val"], None, gen, device, arena)
 
     args, kwargs = map_aggregate((node.args, node.kwargs), real)
-    seconds = []
+    seconds, shapes = [], []
 
     def call():
         started = time.perf_counter()
         out = node.target(*args, **kwargs)
         seconds.append(time.perf_counter() - started)
+        shapes.append(_shapes(out))
         return out
 
     workspace = _workspace_of(call, device)
+    if shapes[0] != _shapes(node.meta.get("val")):
+        # a result shaped by the values (a random mask selecting): not the graph's op
+        raise RuntimeError(f"{node.target} alone returned other shapes than in the graph")
     if seconds[0] < ALONE_REPEAT_BELOW:
         seconds.clear()
         for _ in range(ALONE_REPEATS):
             call()  # its result is dropped before the next call
         return workspace, statistics.median(seconds)
     return workspace, seconds[0]
+
+
+def _shapes(value) -> list:
+    """The shape and dtype of each tensor in `value` (nested), in order."""
+    return [
+        (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
+        for v in torch.utils._pytree.tree_leaves(value)
+    ]
 
 
 # Workspace of ops measured alone, by `_op_signature`: a repeated block's ops, and the
@@ -301,11 +316,11 @@ def _remeasure_alone(
     inputs of its shapes (ops alike, by `_op_signature`, once in this process): its
     workspace replaces the figure in `workspace` (fitted from smaller batches) where
     `workspace_too`, and `seconds`, where given, receives its time. An op is left as it
-    was when an input is not a floating-point tensor (indices, masks: random values could
-    be invalid), when its inputs, outputs and `workspace` figure would take more than
+    was when an input is not a tensor of floats or booleans (random indices could be
+    invalid), when its inputs, outputs and `workspace` figure would take more than
     REMEASURE_MEMORY_SHARE of the memory free just before it, or when it fails on random
-    inputs. Returns the indices measured, and the names of the ops left for lack of
-    memory."""
+    inputs or returns other shapes than in the graph. Returns the indices measured, and
+    the names of the ops left for lack of memory."""
     if device.type != "cpu" or _available_memory_bytes() is None:
         return [], []
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -339,16 +354,23 @@ def _remeasure_alone(
 
 def _alone_ops(graph: Graph, device: torch.device):
     """(op, its fx node, `_op_signature`) of each op that computes or writes in place and
-    whose inputs are all floating-point tensors (random indices or masks could be
-    invalid): the ops `_remeasure_alone` runs, in order."""
+    whose inputs are all floating-point or boolean tensors (random indices could be
+    invalid; a random mask is a mask): the ops `_remeasure_alone` runs, in order."""
     nodes = {n.name: n for n in graph.fx.graph.nodes}
     for op in graph.ops:
         if op.role == "view":
             continue
         node = nodes[op.name]
         inputs = _node_inputs(node)
-        if all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in inputs):
+        if all(_random_fits(v) for v in inputs):
             yield op, node, _op_signature(node, device)
+
+
+def _random_fits(value) -> bool:
+    """Whether random values can stand for `value` (a tensor of floats or booleans)."""
+    return isinstance(value, torch.Tensor) and (
+        value.dtype.is_floating_point or value.dtype == torch.bool
+    )
 
 
 def _fits_in_memory(graph: Graph, device: torch.device) -> bool:
