@@ -418,23 +418,28 @@ def test_an_op_with_a_broadcast_input_is_measured_alone(monkeypatch):
     assert backward.index in measured
 
 
-def test_times_at_the_solved_batch_come_from_the_ops_run_alone_there(monkeypatch):
-    """A profile taken at a smaller batch times each op alone at the solved batch and
-    takes those times; the views (metadata only) keep their time at the profile's
-    batch."""
+def _profiled_at_2_for_16(monkeypatch, coverage: float):
+    """A small network's graph at batch 16 and its profile at batch 2, the step taken as
+    not fitting in memory, the ops alone fresh, with ALONE_COVERAGE `coverage`."""
     from monet_like import profile as profile_module
     from monet_like.profile import workspace as workspace_module
 
     monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: False)
-    # a model this small is mostly per-op overhead at batch 2, where its views' share of
-    # the step can reach ALONE_COVERAGE's complement: the ops alone are taken however much
-    monkeypatch.setattr(profile_module, "ALONE_COVERAGE", 0.0)
+    monkeypatch.setattr(profile_module, "ALONE_COVERAGE", coverage)
     monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
     monkeypatch.setattr(workspace_module, "_ALONE_SECONDS", {})
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
     graph = capture(model, (3, 16, 16), 16)
     prof = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
+    return model, graph, prof
+
+
+def test_times_at_the_solved_batch_come_from_the_ops_run_alone_there(monkeypatch):
+    """A profile taken at a smaller batch times each op alone at the solved batch and
+    takes those times; the views (metadata only) keep their time at the profile's
+    batch."""
+    _, graph, prof = _profiled_at_2_for_16(monkeypatch, coverage=0.9)
     alone = dict(prof.alone_seconds)
     computing = {op.index for op in graph.ops if op.role != "view"}
     assert set(alone) == computing and all(s > 0 for s in alone.values())
@@ -488,18 +493,9 @@ def test_where_too_few_ops_run_alone_the_times_are_fitted_and_checked(monkeypatc
     fitted from timed runs at two smaller batches; the ops run alone are then a check on
     the fit, kept with the profile, and a solve says so where they took more than
     FIT_UNDERSTATES times their fitted times."""
-    from monet_like import profile as profile_module
     from monet_like.profile import types as types_module
-    from monet_like.profile import workspace as workspace_module
 
-    monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: False)
-    monkeypatch.setattr(profile_module, "ALONE_COVERAGE", 1.01)  # never enough
-    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
-    monkeypatch.setattr(workspace_module, "_ALONE_SECONDS", {})
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
-    graph = capture(model, (3, 16, 16), 16)
-    prof = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
+    model, graph, prof = _profiled_at_2_for_16(monkeypatch, coverage=1.01)  # never enough
     assert prof.time_method == "fitted a + b*batch from timed runs at batches 2 and 4"
     assert "timed runs at batch 4" in prof.stage_seconds
     alone = dict(prof.alone_seconds)
