@@ -260,7 +260,7 @@ def profile(
             _expect_later(stages, graph, device, profile_batch, linear, alone_runs, conv_sites)
             workspace, method = _workspace_at(model, small, device, dtype)
             stages.done(f"workspace at batch {profile_batch}")
-            time_fit = False
+            times_at_batch = False  # set where the ops alone or a fit give them there
             if scaled:
                 other_graph = None
                 if fits:
@@ -282,7 +282,7 @@ def profile(
                     method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
                 if alone_runs:
                     # Times fitted from small batches understate a CPU step at a large one
-                    # (ResNet-50 at 184: the fit 0.43 of a real step, the ops alone 0.84):
+                    # (ResNet-50 at 184: the fit 0.40 of a real step, the ops alone 0.81):
                     # each distinct op is timed alone where it is used.
                     alone, too_large = _remeasure_alone(
                         graph, device, workspace, stages.tick, alone_s, workspace_too=not fits
@@ -300,8 +300,8 @@ def profile(
                     )
                     if from_alone is not None:
                         times, time_method = from_alone
-                        time_fit = True
-                if not time_fit and other_batch != profile_batch:
+                        times_at_batch = True
+                if not times_at_batch and other_batch != profile_batch:
                     # Times: a small batch is dominated by per-op overhead, which a
                     # linear scaling would multiply along with the real work.
                     other_graph = other_graph or graph_at(other_batch)
@@ -314,7 +314,7 @@ def profile(
                     times = _extrapolate_float(
                         times, profile_batch, other_times, other_batch, graph.batch
                     )
-                    time_fit = True
+                    times_at_batch = True
                     time_method = (
                         f"fitted a + b*batch from timed runs at batches {profile_batch}"
                         f" and {other_batch}"
@@ -325,7 +325,7 @@ def profile(
                 f"{graph.model} cannot run in {graph.dtype} on {device_name(device)}: {first}"
             ) from None
 
-        scale = 1.0 if time_fit or not scaled else graph.batch / profile_batch
+        scale = 1.0 if times_at_batch or not scaled else graph.batch / profile_batch
         if scale != 1.0:
             time_method += f", scaled linearly to batch {graph.batch}"
         algorithms: dict = {}
