@@ -160,7 +160,7 @@ def test_profile_at_smaller_batch_scales_and_says_so():
 @pytest.mark.parametrize("fits", [True, False])
 def test_scaled_profile_measures_workspace_at_the_solved_batch_when_it_fits(monkeypatch, fits):
     """Workspace is not linear in the batch: measured at the solved batch when that run
-    fits in memory (then equal to a profile taken there), else fitted from two batches."""
+    fits in memory (then equal to a profile taken there), else op by op alone there."""
     from monet_like import profile as profile_module
 
     monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: fits)
@@ -171,8 +171,9 @@ def test_scaled_profile_measures_workspace_at_the_solved_batch_when_it_fits(monk
         assert scaled.workspace_method.endswith("at batch 8")
         direct = profile(model, graph, profile_batch=8, repeats=1, use_cache=False, progress=False)
         assert not direct.scaled and scaled.op_workspace == direct.op_workspace
-    else:
-        assert "fitted a + b*batch from batches 2 and 4" in scaled.workspace_method
+    else:  # every op with workspace runs alone there: no second batch to fit from
+        assert "ops measured alone at batch 8" in scaled.workspace_method
+        assert "workspace at batch 4" not in scaled.stage_seconds
     assert scaled.nodes[0].workspace_bytes > 0
 
 
@@ -184,26 +185,50 @@ def _inflated(monkeypatch, profile_module):
         monkeypatch.setattr(module, "_extrapolate", lambda *a: [3 * w + 2**20 for w in fit(*a)])
 
 
-def test_fitted_workspace_is_measured_alone_at_the_solved_batch(monkeypatch):
-    """Where the step does not fit in memory at the solved batch, its workspace is fitted
-    from two small batches; then each op runs alone at the solved batch on random inputs,
-    and that measurement replaces the fit. Here the fit is made wrong on purpose: every
-    op must come out as a profile taken at batch 8 measures it."""
+@pytest.mark.parametrize("backward_alone", [True, False])
+def test_workspace_where_the_step_does_not_fit_is_measured_alone_at_the_solved_batch(
+    monkeypatch, backward_alone
+):
+    """Where the step does not fit in memory at the solved batch, each op runs alone
+    there on random inputs and its workspace is measured: every op must come out as a
+    profile taken at batch 8 measures it. An op that cannot run alone and has workspace
+    at the profile's batch (here the convolutions' backward, made so) is fitted from a
+    second batch; where there is none, no second batch is run. The fit is made wrong on
+    purpose, so that an op given it shows."""
     from monet_like import profile as profile_module
 
     monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: False)
     monkeypatch.setattr(profile_module.workspace, "_ALONE_MEASURED", {})
     _inflated(monkeypatch, profile_module)
+    backward = "aten.convolution_backward.default"
+    if not backward_alone:
+        every = profile_module.workspace._alone_ops
+        monkeypatch.setattr(
+            profile_module.workspace,
+            "_alone_ops",
+            lambda graph, device: [a for a in every(graph, device) if a[0].target != backward],
+        )
     model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 1))
     graph = capture(model, (16, 32, 32), 8)
     direct = profile(model, graph, profile_batch=8, repeats=1, use_cache=False, progress=False)
     fitted = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
-    assert "fitted a + b*batch from batches 2 and 4" in fitted.workspace_method
     real, got = dict(direct.op_workspace), dict(fitted.op_workspace)
     computing = [op for op in graph.ops if op.role != "view"]  # a view allocates nothing
-    assert all(got.get(op.index, 0) == real.get(op.index, 0) for op in computing)
-    assert f"{len(computing)} ops measured alone at batch 8" in fitted.workspace_method
+    alone = [op for op in computing if backward_alone or op.target != backward]
+    left = [op for op in computing if op not in alone]
+    assert all(got.get(op.index, 0) == real.get(op.index, 0) for op in alone)
+    assert f"{len(alone)} ops measured alone at batch 8" in fitted.workspace_method
     assert "left as fitted" not in fitted.workspace_method
+    if backward_alone:
+        assert "the others as at batch 2 (none there" in fitted.workspace_method
+        assert "workspace at batch 4" not in fitted.stage_seconds
+    else:
+        assert left and all(got[op.index] > real.get(op.index, 0) for op in left)
+        assert (
+            f"{len(left)} other ops fitted a + b*batch from batches 2 and 4"
+            in fitted.workspace_method
+        )
+        assert "workspace at batch 4" in fitted.stage_seconds
     by_op = {op.index: op for op in graph.ops}
     assert any(
         by_op[i].target == "aten.convolution_backward.default" for i, _ in direct.op_workspace
@@ -292,8 +317,9 @@ def test_both_graphs_profiles_capture_the_model_once_per_smaller_batch(monkeypat
         return real_capture(model, shape, batch, *rest)
 
     monkeypatch.setattr(profile_module, "capture", counted)
-    # workspace fitted from batches 2 and 4 (not measured at 8)
+    # times fitted from batches 2 and 4 (not taken from the ops alone at 8)
     monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: False)
+    monkeypatch.setattr(profile_module, "ALONE_COVERAGE", 1.01)
     prof, (_, reference) = pipeline.profile_graphs(
         model, captured, graph, profile_batch=2, repeats=1, lines=False
     )

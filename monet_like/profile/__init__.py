@@ -10,14 +10,15 @@ times come from CUDA events and workspace from the allocator's peak statistics.
 On a slow device the profile may be taken at a smaller batch than the one solved
 for (`scaled`, `profile_batch`). Workspace is not linear in the batch (a library picks
 its blocking by shape), so on CPU it is measured in one run at the solved batch when
-that run fits in half the available memory; otherwise it is measured at a second batch
-too and fitted per op as a + b * batch. Then each distinct op is run alone at the solved
-batch on random inputs: timed there (its time in the profile), and measured where its
-workspace was fitted. A view keeps its time at the profile's batch, and an op that
-cannot run alone (integer inputs) takes it scaled linearly; where those are too large a
-share, the times are fitted like the workspace from timed runs at both batches (per-op
-overhead does not grow with the batch), and where no second batch fits (the batch is 1
-or 2) they scale linearly. `time_method` says which. Convolution algorithms (conv
+that run fits in half the available memory. Then each distinct op is run alone at the
+solved batch on random inputs: timed there (its time in the profile), and, where the
+step does not fit, its workspace measured there; an op that cannot run alone (integer
+inputs) and has workspace at the profile's batch that grows with it is measured at a
+second batch too and fitted as a + b * batch. A view keeps its time at the profile's
+batch, and an op that cannot run alone takes it scaled linearly; where those are too
+large a share, the times are fitted from timed runs at both batches (per-op overhead
+does not grow with the batch), and where no second batch fits (the batch is 1 or 2)
+they scale linearly. `time_method` says which. Convolution algorithms (conv
 mode) are timed apart, at or near the solved batch: see `_algorithm_options`.
 Profiles are cached on disk as JSON, keyed by graph fingerprint, profile batch,
 dtype, device and torch version.
@@ -263,6 +264,7 @@ def profile(
             times_at_batch = False  # set where the ops alone or a fit give them there
             if scaled:
                 other_graph = None
+                small_workspace = workspace  # at the profile's batch
                 if fits:
                     # Workspace is not linear in the batch (a library picks its blocking by
                     # shape): ResNet-50 at 224 px, batch 16, fitted from batches 4 and 8,
@@ -271,19 +273,14 @@ def profile(
                     method += f", at batch {graph.batch}"
                     at_batch = every_op
                     stages.done(f"workspace at batch {graph.batch}")
-                elif other_batch != profile_batch:
-                    other_graph = graph_at(other_batch)
-                    # A weight reorder does not grow with the batch: fit each op's a + b * batch.
-                    other, _ = _workspace_at(model, other_graph, device, dtype)
-                    stages.done(f"workspace at batch {other_batch}")
-                    workspace = _extrapolate(
-                        workspace, profile_batch, other, other_batch, graph.batch
-                    )
-                    method += f", fitted a + b*batch from batches {profile_batch} and {other_batch}"
                 if alone_runs:
                     # Times fitted from small batches understate a CPU step at a large one
                     # (ResNet-50 at 184: the fit 0.40 of a real step, the ops alone 0.81):
-                    # each distinct op is timed alone where it is used.
+                    # each distinct op is timed alone where it is used. Where the step does
+                    # not fit, its workspace too; the memory each needs is estimated from
+                    # the profile's batch scaled linearly (above a fixed scratch's).
+                    if not fits:
+                        workspace = [w * graph.batch // profile_batch for w in workspace]
                     alone, too_large = _remeasure_alone(
                         graph, device, workspace, stages.tick, alone_s, workspace_too=not fits
                     )
@@ -300,7 +297,34 @@ def profile(
                     )
                     if from_alone is not None:
                         times, time_method = from_alone
-                        times_at_batch = True
+                if not fits:
+                    workspace, fitted = _fit_the_rest(
+                        small_workspace, workspace, at_batch, _batch_free(small, graph)
+                    )
+                    fitted = fitted if other_batch != profile_batch else []
+                    if fitted:  # a weight reorder does not grow with the batch: a + b * batch
+                        stages.expect(
+                            f"workspace at batch {other_batch}",
+                            WORKSPACE_RUN * run_s * other_batch / profile_batch,
+                        )
+                        other_graph = graph_at(other_batch)
+                        other, _ = _workspace_at(model, other_graph, device, dtype)
+                        stages.done(f"workspace at batch {other_batch}")
+                        line = _extrapolate(
+                            small_workspace, profile_batch, other, other_batch, graph.batch
+                        )
+                        for i in fitted:
+                            workspace[i] = line[i]
+                        method += (
+                            f"; {len(fitted)} {'other ' if at_batch else ''}ops fitted"
+                            f" a + b*batch from batches {profile_batch} and {other_batch}"
+                        )
+                    elif at_batch:
+                        method += (
+                            f"; the others as at batch {profile_batch} (none there, or blind"
+                            " to the batch)"
+                        )
+                times_at_batch = alone_runs and from_alone is not None
                 if not times_at_batch and other_batch != profile_batch:
                     # Times: a small batch is dominated by per-op overhead, which a
                     # linear scaling would multiply along with the real work.
@@ -382,7 +406,7 @@ def _expect_stages(
     """The runs and graphs after the timed runs at the profile's batch, estimated from
     one of those runs (`run_s`; a run's time scales with the batch) and the graph's
     building there. (The ops run alone and the convolution algorithms: `_expect_later`;
-    the timed runs at a second batch only where the ops alone cannot give the times.)"""
+    a second batch only where the ops alone leave workspace or times to fit.)"""
     stages.expect(f"workspace at batch {profile_batch}", WORKSPACE_RUN * run_s)
     if profile_batch == graph.batch:
         return
@@ -391,14 +415,36 @@ def _expect_stages(
             f"workspace at batch {graph.batch}", WORKSPACE_RUN * run_s * graph.batch / profile_batch
         )
         return
-    if other_batch == profile_batch:
-        return
-    built = stages.seconds.get(f"graph at batch {profile_batch}")
-    if built is not None:  # built, not taken from another profile's captures
-        stages.expect(f"graph at batch {other_batch}", built)
-    stages.expect(
-        f"workspace at batch {other_batch}", WORKSPACE_RUN * run_s * other_batch / profile_batch
-    )
+
+
+def _fit_the_rest(
+    small: list[int], workspace: list[int], at_batch: set[int], batch_free: set[int]
+) -> tuple[list[int], list[int]]:
+    """Where the step at the solved batch does not fit: each op's workspace, as measured
+    there (`at_batch`: run alone) or else as at the profile's batch (`small`), and the
+    ops of the latter to fit from a second batch: those with workspace at the profile's
+    batch that see the batch (not in `batch_free`). The ops that cannot run alone read
+    integers (indices, counters, labels); one of them with no scratch at the profile's
+    batch is taken to have none (ResNet-50's max-pool backward), which spares the second
+    batch's graph and run (about 8 s of ResNet-50's cold profile at 184, both graphs)."""
+    out = [workspace[i] if i in at_batch else w for i, w in enumerate(small)]
+    fitted = [i for i, w in enumerate(small) if w > 0 and i not in at_batch | batch_free]
+    return out, fitted
+
+
+def _batch_free(small: Graph, graph: Graph) -> set[int]:
+    """The ops whose every input and output is the same size in `small` (the graph at a
+    smaller batch) as in `graph`: blind to the batch (BatchNorm's step counters, 8 bytes
+    of scratch each), so their workspace is the same at both batches."""
+
+    def sizes(g: Graph, op) -> list[int]:
+        return sorted(g.storages[s].nbytes for s in {*op.reads, *op.outputs})
+
+    return {
+        op.index
+        for op, big in zip(small.ops, graph.ops, strict=True)
+        if op.role != "view" and sizes(small, op) == sizes(graph, big)
+    }
 
 
 # The stage name of the other graph's timed runs taken beside a profile's (`beside`).
