@@ -951,6 +951,36 @@ def test_large_random_inputs_repeat_one_pool_of_normal_values():
     assert rows.shape == (more, 200) and rows.is_contiguous() and torch.isfinite(rows).all()
 
 
+def test_inputs_already_random_in_the_buffer_are_not_written_again():
+    """An op's input laid out where an earlier op's random inputs of its dtype lie, not
+    written since, is taken as it is; after an op that writes into its inputs, or where
+    a mask was laid out, the values are written again."""
+    from monet_like.profile.workspace import _InputArena, _random_laid_out
+
+    gen = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+    arena = _InputArena(cpu)
+    big, small = torch.empty(64, 64, device="meta"), torch.empty(16, 64, device="meta")
+    arena.reset(arena.nbytes_for([big]))
+    first = _random_laid_out(big, None, gen, cpu, arena)
+    first[0, 0] = 123.0  # a mark: still there if the next input is not written
+    arena.reset(arena.nbytes_for([small]))
+    again = _random_laid_out(small, None, gen, cpu, arena)
+    assert again[0, 0].item() == 123.0 and again.std().item() > 0.5
+    arena.written()  # an op wrote into its inputs
+    arena.reset(arena.nbytes_for([small]))
+    assert _random_laid_out(small, None, gen, cpu, arena)[0, 0].item() != 123.0
+    arena.reset(arena.nbytes_for([big]))
+    _random_laid_out(big, None, gen, cpu, arena)[0, 0] = 123.0
+    arena.reset(arena.nbytes_for([small, big]))
+    mask = _random_laid_out(
+        torch.empty(16, 64, dtype=torch.bool, device="meta"), None, gen, cpu, arena
+    )
+    assert mask.dtype == torch.bool and 0 < mask.sum().item() < mask.numel()
+    arena.reset(arena.nbytes_for([big]))
+    assert _random_laid_out(big, None, gen, cpu, arena)[0, 0].item() != 123.0
+
+
 def test_ops_run_alone_take_their_inputs_from_one_reused_buffer_and_measure_the_same():
     """The inputs of ops run alone are laid out in one buffer, reused op after op (fresh
     memory is paged in at its first write): each input as the graph lays it out, apart
