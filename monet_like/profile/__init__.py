@@ -257,7 +257,7 @@ def profile(
             # libraries' first-call allocations are not counted as an op's workspace.
             times, run_s = timed_at(small, profile_batch, True, spread, args_fn)
             linear = [t * graph.batch / profile_batch for t in times]  # a first estimate
-            _expect_stages(stages, graph, profile_batch, other_batch, fits, run_s)
+            _expect_stages(stages, graph, profile_batch, fits, run_s)
             _expect_later(stages, graph, device, profile_batch, linear, alone_runs, conv_sites)
             workspace, method = _workspace_at(model, small, device, dtype)
             stages.done(f"workspace at batch {profile_batch}")
@@ -396,25 +396,17 @@ def profile(
 
 
 def _expect_stages(
-    stages: Stages,
-    graph: Graph,
-    profile_batch: int,
-    other_batch: int,
-    fits: bool,
-    run_s: float,
+    stages: Stages, graph: Graph, profile_batch: int, fits: bool, run_s: float
 ) -> None:
-    """The runs and graphs after the timed runs at the profile's batch, estimated from
-    one of those runs (`run_s`; a run's time scales with the batch) and the graph's
-    building there. (The ops run alone and the convolution algorithms: `_expect_later`;
-    a second batch only where the ops alone leave workspace or times to fit.)"""
+    """The workspace runs after the timed runs at the profile's batch, estimated from one
+    of those runs (`run_s`; a run's time scales with the batch). (The ops run alone and
+    the convolution algorithms: `_expect_later`; a second batch is expected where it
+    turns out to be needed: where the ops alone leave workspace or times to fit.)"""
     stages.expect(f"workspace at batch {profile_batch}", WORKSPACE_RUN * run_s)
-    if profile_batch == graph.batch:
-        return
-    if fits:
+    if fits and profile_batch != graph.batch:
         stages.expect(
             f"workspace at batch {graph.batch}", WORKSPACE_RUN * run_s * graph.batch / profile_batch
         )
-        return
 
 
 def _fit_the_rest(
