@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from monet_like.graph import Graph
+from monet_like.graph import Graph, written_args
 from monet_like.memory import allocation_peak, record_allocations, store_all_peak
 from monet_like.profile.timing import _OpRunner
 
@@ -124,7 +124,7 @@ def _random_laid_out(
         _fill_normal(value, gen)
     else:
         value = arena.take(stored, stride, meta.dtype)
-        if not arena.holds_pool(value):  # written by an earlier op's inputs: kept
+        if not arena.holds_pool(value):  # else random already: an earlier op's inputs
             _fill_normal(value, gen)
             arena.filled(value)
     return value.expand(shape) if expanded else value
@@ -140,17 +140,17 @@ RANDOM_POOL = 1 << 20
 def _fill_normal(value: torch.Tensor, gen: torch.Generator) -> None:
     """Set every element of the storage span `value` covers (a strided layout's gaps
     too) to normal random values drawn from `gen` on the CPU (a mask: true where the
-    draw is positive): above RANDOM_POOL of them, one pool repeated, written in one
-    pass (drawing the values whole, then copying them in, took half a second per large
-    op's inputs: 0.5 of the 1.3 s of a ResNet-50 (184) weight gradient measured alone)."""
+    draw is positive): above RANDOM_POOL of them, one pool (drawn once per process)
+    repeated, written in one pass (drawing the values whole, then copying them in, took
+    half a second per large op's inputs: 0.5 of the 1.3 s of a ResNet-50 (184) weight
+    gradient measured alone)."""
     n = _span(value.shape, value.stride())
     flat = torch.empty(0, dtype=value.dtype, device=value.device)
     flat.set_(value.untyped_storage(), value.storage_offset(), (n,), (1,))
-    pool = _pool(value.dtype, value.device, gen) if n >= RANDOM_POOL else None
-    if pool is None and value.dtype == torch.bool:
-        pool = (torch.randn(n, generator=gen) > 0).to(value.device)
-    elif pool is None:
-        pool = torch.randn(n, generator=gen, dtype=value.dtype).to(value.device)
+    if n >= RANDOM_POOL:
+        pool = _pool(value.dtype, value.device, gen)
+    else:
+        pool = _drawn(n, value.dtype, gen).to(value.device)
     repeats, rest = divmod(n, pool.numel()) if n else (0, 0)
     if repeats:
         flat[: repeats * pool.numel()].view(repeats, -1).copy_(pool.expand(repeats, -1))
@@ -166,9 +166,16 @@ def _pool(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> tor
     once per process: drawing them for each large input took 10 ms."""
     key = (dtype, str(device))
     if key not in _POOLS:
-        drawn = torch.randn(RANDOM_POOL, generator=gen, dtype=torch.float32)
-        _POOLS[key] = (drawn > 0 if dtype == torch.bool else drawn.to(dtype)).to(device)
+        _POOLS[key] = _drawn(RANDOM_POOL, dtype, gen).to(device)
     return _POOLS[key]
+
+
+def _drawn(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """`n` normal values of `dtype` drawn from `gen` on the CPU (a mask: true where the
+    draw is positive)."""
+    if dtype == torch.bool:
+        return torch.randn(n, generator=gen) > 0
+    return torch.randn(n, generator=gen, dtype=dtype)
 
 
 def _span(shape, stride) -> int:
@@ -290,11 +297,9 @@ def _workspace_alone(
 
 
 def _writes_inputs(node) -> bool:
-    """Whether `node`'s op writes into one of its arguments (in place, or out=)."""
-    schema = getattr(node.target, "_schema", None)
-    return schema is None or any(
-        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-    )
+    """Whether `node`'s op writes into one of its inputs (an op without a schema is
+    taken to)."""
+    return getattr(node.target, "_schema", None) is None or bool(written_args(node))
 
 
 def _shapes(value) -> list:
