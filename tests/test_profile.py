@@ -980,6 +980,16 @@ def test_inputs_already_random_in_the_buffer_are_not_written_again():
     arena.reset(arena.nbytes_for([big]))
     assert _random_laid_out(big, None, gen, cpu, arena)[0, 0].item() != 123.0
 
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from monet_like.profile.workspace import _workspace_alone
+
+    for op, writes in ((torch.ops.aten.relu.default, False), (torch.ops.aten.relu_.default, True)):
+        traced = make_fx(op, tracing_mode="fake")(torch.randn(64, 64))
+        node = next(n for n in traced.graph.nodes if n.op == "call_function")
+        _workspace_alone(node, cpu, gen, arena)
+        assert (arena.pool_end == 0) == writes, op  # its input no longer random after it
+
 
 def test_ops_run_alone_take_their_inputs_from_one_reused_buffer_and_measure_the_same():
     """The inputs of ops run alone are laid out in one buffer, reused op after op (fresh
