@@ -37,10 +37,12 @@ class Solution:
     formulation: str  # "compact" or "full" (or "store-all" when no solve was needed)
     depth: int | None
     solver: str
-    status: str  # "optimal", "feasible" (time limit, gap > target), "store-all"
+    # "optimal" (proved within the tolerance: 0.1% of the step by default), "feasible"
+    # (stopped by the time limit short of it), "store-all"
+    status: str
     objective_s: float  # recomputation time added to one step
     bound_s: float | None
-    gap: float | None  # None: the solver did not report a bound
+    gap: float | None  # of the recomputation (`step_gap`: of the step); None: no bound
     solve_time_s: float
     predicted_peak_bytes: int
     predicted_peak_at: str
@@ -80,6 +82,14 @@ class Solution:
     def overhead(self) -> float:
         """Predicted step time relative to the store-all step, minus one."""
         return self.predicted_time_s / self.store_all_time_s - 1 if self.store_all_time_s else 0.0
+
+    @property
+    def step_gap(self) -> float | None:
+        """The gap as a share of the predicted step (what the solvers' tolerance is on):
+        how much faster than this schedule's step an optimal one may be."""
+        if self.gap is None or not self.predicted_time_s:
+            return None
+        return self.gap * self.objective_s / self.predicted_time_s
 
     def summary(self) -> dict:
         d = asdict(self)

@@ -69,6 +69,7 @@ class ZooEntry:
     sha256: str
     size: int
     profiles: tuple[str, ...] = ()  # files under profiles/ it was solved from
+    step_gap: float | None = None  # the gap as a share of the predicted step
 
     @property
     def file(self) -> str:
@@ -190,6 +191,7 @@ def entry_for(
         solver=sol.solver,
         status=sol.status,
         gap=sol.gap,
+        step_gap=sol.step_gap,
         formulation=sol.formulation,
         device=sol.device,
         torch_version=torch.__version__,
@@ -325,6 +327,17 @@ def resolve(name: str, url: str | None = None, folder: Path | None = None) -> Pa
 # -- tables -----------------------------------------------------------------------------
 
 
+def _gap(e: ZooEntry) -> str:
+    """A table cell's note on a schedule not proved: its gap, of the step where known."""
+    if e.status in ("optimal", "store-all"):
+        return ""
+    if e.gap is None:
+        return ", no bound"
+    if e.step_gap is None:
+        return f", gap {e.gap:.1%} of the recomputation"
+    return f", gap {e.step_gap:.2%}"
+
+
 def tables(
     entries: list[ZooEntry], infeasible: list[dict] = (), published: dict | None = None
 ) -> str:
@@ -357,11 +370,8 @@ def tables(
                 if e is None:
                     cells.append("infeasible" if (model, batch, mode, b) in too_low else "-")
                     continue
-                gap = ""
-                if e.status not in ("optimal", "store-all"):
-                    gap = ", no bound" if e.gap is None else f", gap {e.gap:.1%}"
                 cells.append(
-                    f"{e.predicted_overhead:+.2%} ({e.predicted_peak_bytes / GIB:.2f}){gap}"
+                    f"{e.predicted_overhead:+.2%} ({e.predicted_peak_bytes / GIB:.2f}){_gap(e)}"
                 )
             out.append(f"| {mode} | " + " | ".join(cells) + " |")
         if published and model in published:

@@ -106,21 +106,24 @@ def main() -> None:
 def print_across_profiles(df: pd.DataFrame) -> None:
     """Per model, budget and solver: solve time and gap over the profiles, median and
     worst, and how many of the solves were proved."""
-    print("\nacross profiles: solve s and gap, median / worst; proved of solved; the search")
-    print("before the frees (where they were searched, the status is theirs): proved, its s")
+    print("\nacross profiles: solve s, gap of the step and of the recomputation, median / worst;")
+    print("proved of solved; the search before the frees (where they were searched, the status")
+    print("is theirs): proved, its s")
     print(
-        f"{'model':>12s} {'GB':>4s} {'solver':>6s} {'solve s':>15s} {'gap':>17s} {'proved':>7s}"
-        f" {'frees':>5s} {'before: proved':>14s} {'its s':>15s}"
+        f"{'model':>12s} {'GB':>4s} {'solver':>6s} {'solve s':>15s} {'step gap':>17s}"
+        f" {'recompute gap':>17s} {'proved':>7s} {'frees':>5s} {'before: proved':>14s}"
+        f" {'its s':>15s}"
     )
     solved = df[df["status"].isin(["optimal", "feasible"])]
     for (name, budget, solver), g in solved.groupby(["model", "budget_gb", "solver"]):
-        gaps = g["gap"].dropna()
+        gaps, step_gaps = g["gap"].dropna(), g["step_gap"].dropna()
         gap = "n/a" if gaps.empty else f"{gaps.median():.2%} / {gaps.max():.2%}"
+        step_gap = "n/a" if step_gaps.empty else f"{step_gaps.median():.3%} / {step_gaps.max():.3%}"
         proved = int((g["status"] == "optimal").sum())
         first_proved = int((g["first_status"] == "optimal").sum())
         print(
             f"{name:>12s} {budget:4g} {solver:>6s}"
-            f" {g['solve_s'].median():6.1f} / {g['solve_s'].max():6.1f} {gap:>17s}"
+            f" {g['solve_s'].median():6.1f} / {g['solve_s'].max():6.1f} {step_gap:>17s} {gap:>17s}"
             f" {proved:3d} of {len(g)} {int(g['frees_improved'].sum()):5d}"
             f" {first_proved:7d} of {len(g)}"
             f" {g['first_seconds'].median():6.1f} / {g['first_seconds'].max():6.1f}"
@@ -147,6 +150,7 @@ def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> li
     )
     print(
         f"{'GB':>4s} {'solver':>6s} {'vars':>7s} {'cons':>7s} {'status':>10s} {'gap':>7s}"
+        f" {'of step':>8s}"
         f" {'first s':>8s} {'solve s':>8s} {'peak GB':>8s} {'overhead':>9s}"
         f" {'start (recompute s)':>24s} {'recompute s':>11s}"
     )
@@ -176,6 +180,7 @@ def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> li
                     variables=sol.stats.get("variables", 0),
                     constraints=sol.stats.get("constraints", 0),
                     gap=sol.gap,
+                    step_gap=sol.step_gap,
                     first_feasible_s=sol.stats.get("first_feasible_s"),
                     start=sol.stats.get("start"),
                     start_recompute_s=sol.stats.get("start_objective_s"),
@@ -207,6 +212,7 @@ def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> li
                 print(f"{budget:4g} {solver:>6s} {row['message']}")
                 continue
             gap = "n/a" if row["gap"] is None else f"{row['gap']:.2%}"
+            step_gap = "n/a" if row["step_gap"] is None else f"{row['step_gap']:.3%}"
             first = row["first_feasible_s"]
             first = "n/a" if first is None else f"{first:.1f}"
             start = (
@@ -216,7 +222,7 @@ def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> li
             )
             print(
                 f"{budget:4g} {solver:>6s} {row['variables']:7d} {row['constraints']:7d}"
-                f" {row['status']:>10s} {gap:>7s} {first:>8s} {row['solve_s']:8.1f}"
+                f" {row['status']:>10s} {gap:>7s} {step_gap:>8s} {first:>8s} {row['solve_s']:8.1f}"
                 f" {row['peak_gb']:8.3f} {row['overhead']:+9.2%}"
                 f" {start:>24s} {row['recompute_s']:11.3f}",
                 flush=True,

@@ -58,6 +58,7 @@ def test_solve_writes_a_solution_within_budget(tmp_path, frees):
         "store_all_peak_bytes",
         "store_all_time_s",
         "gap",
+        "step_gap",
         "solve_time_s",
         "solution_file",
     ):
@@ -153,7 +154,7 @@ def test_a_gap_of_the_frees_says_how_the_search_before_them_ended():
     line = _before_frees(improved)
     assert "6.967 s recomputed, proved optimal after 8.1 s" in line and "--no_frees" in line
     first.update(status="feasible", gap=0.031)
-    assert "left at a 3.10% gap" in _before_frees(improved)
+    assert "left at a 3.10% gap of its recomputation" in _before_frees(improved)
     first.update(gap=None)
     assert "left unproved" in _before_frees(improved)
     # where the frees improved nothing (or were not tried), the gap is the search's own

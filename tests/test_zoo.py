@@ -55,6 +55,24 @@ def test_the_shipped_zoo_is_monets_configurations_and_verifies():
         assert {b for m, b in headline if m == mode} == {10.0, 9.0, 8.0, 7.0, 6.0, 5.0}, mode
 
 
+def test_a_schedule_not_proved_shows_its_gap_of_the_step():
+    """The index keeps each entry's gap of the step (its file's), which the tables show
+    where the solve stopped short of its tolerance; an index written before it had the
+    field shows the recomputation's, named so."""
+    from dataclasses import replace
+
+    entries = zoo.load_index()
+    for e in entries:
+        sol = load(zoo.ZOO_DIR / e.file)
+        assert e.step_gap == sol.step_gap and e.gap == sol.gap, e.name
+    e = next(e for e in entries if e.status == "feasible" and e.step_gap is not None)
+    cell = f"({e.predicted_peak_bytes / 2**30:.2f}), gap {e.step_gap:.2%} |"
+    assert cell in zoo.tables([e])
+    old = replace(e, step_gap=None)
+    assert f"gap {e.gap:.1%} of the recomputation |" in zoo.tables([old])
+    assert "gap" not in zoo.tables([replace(e, status="optimal")])
+
+
 def test_the_readmes_zoo_table_is_the_index():
     from pathlib import Path
 

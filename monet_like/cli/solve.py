@@ -302,10 +302,10 @@ def _report_solution(args, sol, out) -> dict:
     """What solve.py prints of a solved schedule, and its JSON report."""
     if sol.gap is None:
         gap = "unknown (stopped before the solver's tolerance; it reports no bound)"
-    elif sol.bound_s is None and sol.status == "optimal" and sol.gap > 0:
-        gap = f"<= {sol.gap:.2%} (the solver's tolerance; it reports no bound)"
     else:
-        gap = f"{sol.gap:.2%}"
+        gap = f"{sol.step_gap:.3%} of the step ({sol.gap:.2%} of the recomputation)"
+        if sol.bound_s is None and sol.status == "optimal" and sol.gap > 0:
+            gap = f"<= {gap}, the solver's tolerance (it reports no bound)"
     recomputed = sum(len(s["recompute"]) for s in sol.stages)
     print(
         f"  status {sol.status}; {sum(sol.keep)} of {len(sol.keep)} units kept,"
@@ -325,7 +325,10 @@ def _report_solution(args, sol, out) -> dict:
         " workspace included)"
     )
     report = sol.summary()
-    report.update(solution_file=out, predicted_time_s=sol.predicted_time_s, overhead=sol.overhead)
+    report.update(
+        solution_file=out, predicted_time_s=sol.predicted_time_s, overhead=sol.overhead,
+        step_gap=sol.step_gap,
+    )  # fmt: skip
     return report
 
 
@@ -339,7 +342,7 @@ def _before_frees(sol) -> str:
     if first["status"] == "optimal":
         how = "proved optimal"
     elif first["gap"] is not None:
-        how = f"left at a {first['gap']:.2%} gap"
+        how = f"left at a {first['gap']:.2%} gap of its recomputation"
     else:
         how = "left unproved"
     return (

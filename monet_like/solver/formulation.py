@@ -229,6 +229,12 @@ class Formulation:
     def n_rows(self) -> int:
         return self.a_bool.shape[0]
 
+    @property
+    def floor_ms(self) -> float:
+        """The fastest step (ms) that the objective counts time above: the solvers' tolerance
+        is a share of the step it and the objective make (backends.abs_gap_ms)."""
+        return max(0.0, self.problem.fastest_step_s) / MS
+
 
 def formulate(
     problem: Problem,

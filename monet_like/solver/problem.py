@@ -153,6 +153,12 @@ class Problem:
             a.base_s for a in self.algorithms
         )
 
+    @property
+    def fastest_step_s(self) -> float:
+        """A lower bound on any schedule's predicted step: the store-all step with every
+        choice at its fastest option (the objective counts time above it)."""
+        return self.store_all_time_s - self.choice_base_s
+
 
 def build_problem(
     graph: Graph, profile, workspace: dict[int, int] | None = None, reference=None

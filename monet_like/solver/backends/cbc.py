@@ -14,7 +14,15 @@ from typing import NamedTuple
 import numpy as np
 import scipy.sparse as sp
 
-from monet_like.solver.backends import _NUMBER, RawResult, _finish, relative_gap
+from monet_like.solver.backends import (
+    _NUMBER,
+    RawResult,
+    _finish,
+    abs_gap_ms,
+    relative_gap,
+    slack_ms,
+    within_tolerance,
+)
 from monet_like.solver.backends.highs import _binary_bounds
 from monet_like.solver.formulation import MS, Formulation, _budget_column
 from monet_like.solver.race import race
@@ -201,6 +209,7 @@ def _cbc_run(f, rows, time_limit, gap, verbose, minimize_budget, pins, cutoff) -
     cbc = clp.getCbcModel()
     cbc.logLevel = 1  # its log says whether it restarted (see below)
     cbc.allowableFractionGap = float(gap)
+    cbc.allowableGap = abs_gap_ms(f, gap, minimize_budget)
     if time_limit:
         cbc.maximumSeconds = float(time_limit)
     with captured(1) as log, _cbc_sigint() as stopped_by_sigint:
@@ -228,7 +237,8 @@ def _cbc_run(f, rows, time_limit, gap, verbose, minimize_budget, pins, cutoff) -
     if status == "solution" and not restarted and not minimize_budget:
         # A finished search reports its own schedule as the bound; what it proved is that
         # nothing is cheaper by more than the tolerance it pruned with.
-        bound = min(bound, float(f.cost @ x_val) * (1 - gap))
+        cost_ms = float(f.cost @ x_val)
+        bound = min(bound, cost_ms - slack_ms(f, cost_ms, gap))
     return _CbcRun(status, x_val, bound, restarted)
 
 
@@ -249,13 +259,15 @@ def _solve_cbc(
     cbc_rows(f, rhs)  # once, before the racers fork
     deadline = None if not time_limit else time.perf_counter() + time_limit
     outcomes = race(run, workers, lambda r: r.status in CBC_FINISHED, False, deadline)
-    return merge_cbc_outcomes(outcomes, gap)
+    return merge_cbc_outcomes(f, outcomes, gap)
 
 
 CBC_FINISHED = ("optimal", "infeasible", "cutoff")  # a raced CBC search that ends the race
 
 
-def merge_cbc_outcomes(outcomes: list[RawResult], gap: float, solve_time_s: float = 0.0):
+def merge_cbc_outcomes(
+    f, outcomes: list[RawResult], gap: float, solve_time_s: float = 0.0
+) -> RawResult:
     """One answer from raced CBC searches: a proof that nothing (cheaper than the
     cutoff) fits, else the cheapest schedule with the highest bound (each search's
     bound holds), "optimal" when a search finished its own."""
@@ -275,7 +287,7 @@ def merge_cbc_outcomes(outcomes: list[RawResult], gap: float, solve_time_s: floa
     proved = any(r.status == "optimal" for r in found)  # best is at most that one's
     gap_value = relative_gap(best.objective, bound)
     if proved and gap_value is None:
-        gap_value = gap
+        gap_value = slack_ms(f, best.objective / MS, gap) / (best.objective / MS)
     return RawResult("optimal" if proved else "feasible", best.x_bool, best.objective, bound,
                      gap_value, solve_time_s, "CBC", best.message)  # fmt: skip
 
@@ -347,11 +359,10 @@ def _cbc_search(
         )  # fmt: skip
     while run.restarted and not minimize_budget:
         objective = float(f.cost @ best)
-        proven = relative_gap(objective, lower)
         remaining = None if not time_limit else time_limit - (time.perf_counter() - started)
-        if (proven is not None and proven <= gap) or (remaining is not None and remaining < 1):
+        if within_tolerance(f, objective, lower, gap) or (remaining is not None and remaining < 1):
             break
-        cutoff = objective * (1 - gap)
+        cutoff = objective - slack_ms(f, objective, gap)
         run = _cbc_run(f, rows, remaining, gap, verbose, False, pins, cutoff)
         if run.x is not None:
             best = run.x
@@ -367,7 +378,7 @@ def _cbc_search(
     objective = float(f.cost @ best)
     gap_value = relative_gap(objective, lower)
     finished = run.status in ("solution", "infeasible") and not run.restarted
-    proven = gap_value is not None and gap_value <= gap * (1 + 1e-9)
+    proven = within_tolerance(f, objective, lower, gap, minimize_budget)
     final = "optimal" if finished or (proven and not minimize_budget) else "feasible"
     return _finish(f, best, final, lower, gap_value, gap, "CBC", minimize_budget)
 

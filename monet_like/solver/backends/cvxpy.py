@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from monet_like.solver.backends import RawResult, _finish
+from monet_like.solver.backends import RawResult, _finish, abs_gap_ms
 from monet_like.solver.formulation import _budget_column
 
 
@@ -28,7 +28,7 @@ def _solve_cvxpy(f, rhs, solver, time_limit, gap, verbose, minimize_budget=False
     prob = cp.Problem(cp.Minimize(objective), cons)
     opts: dict = {}
     if solver == "GUROBI":
-        opts = {"MIPGap": gap}
+        opts = {"MIPGap": gap, "MIPGapAbs": abs_gap_ms(f, gap, minimize_budget)}
         if time_limit:
             opts["TimeLimit"] = float(time_limit)
     try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from monet_like.solver.backends import RawResult, _finish, relative_gap
+from monet_like.solver.backends import RawResult, _finish, abs_gap_ms, relative_gap
 from monet_like.solver.formulation import MIB, MS, Formulation, _budget_column, _rhs_for
 from monet_like.solver.race import RACE_GRACE_S, available_cores, race, signals_held
 from monet_like.streams import silenced
@@ -164,6 +164,7 @@ def _highs_search(
     h = _highs_model(f, rhs, minimize_budget, pins=pins)
     h.setOptionValue("output_flag", bool(verbose) and seed == 0)
     h.setOptionValue("mip_rel_gap", float(gap))
+    h.setOptionValue("mip_abs_gap", abs_gap_ms(f, gap, minimize_budget))
     h.setOptionValue("random_seed", seed)
     if time_limit:
         h.setOptionValue("time_limit", float(time_limit))

@@ -13,7 +13,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from monet_like.solver.backends import _NUMBER, RawResult, _finish, relative_gap
+from monet_like.solver.backends import (
+    _NUMBER,
+    RawResult,
+    _finish,
+    abs_gap_ms,
+    relative_gap,
+    slack_ms,
+    within_tolerance,
+)
 from monet_like.solver.backends.cbc import (
     _CBC_POSSIBLE,
     _cbc_bound_before_restart,
@@ -95,14 +103,14 @@ class _CbcLogWatch:
         return "".join(self._text)
 
 
-def _pulp_bound(log: str, proved: bool, objective_ms: float, gap: float) -> float | None:
+def _pulp_bound(log: str, proved: bool, objective_ms: float, slack: float) -> float | None:
     """The bound (ms) that CBC's log proves: its summary's lower bound, only the one
     shown before a restart where it restarted (see _cbc_run); for a finished search
-    without a restart, its schedule less the tolerance it pruned with."""
+    without a restart, its schedule less the tolerance it pruned with (`slack`, ms)."""
     if "Cbc0044I" in log:
         return _cbc_bound_before_restart(log)
     if proved:
-        return objective_ms * (1 - gap)
+        return objective_ms - slack
     found = re.findall(rf"Lower bound:\s+{_NUMBER}", log)
     return _least_printed_as(found[-1]) if found else _cbc_bound_before_restart(log)
 
@@ -164,8 +172,9 @@ def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start, progress, threads
     with tempfile.TemporaryDirectory(prefix="monet_like_cbc_") as folder:
         log_path = os.path.join(folder, "cbc.log")
         cmd = pulp.PULP_CBC_CMD(
-            msg=False, timeLimit=time_limit, gapRel=gap, warmStart=start is not None,
-            threads=threads if threads > 1 else None, logPath=log_path,
+            msg=False, timeLimit=time_limit, gapRel=gap, gapAbs=abs_gap_ms(f, gap),
+            warmStart=start is not None, threads=threads if threads > 1 else None,
+            logPath=log_path,
         )  # fmt: skip
         watch = _CbcLogWatch(log_path, progress)
         try:
@@ -191,9 +200,9 @@ def _solve_pulp_quiet(f, rhs, time_limit, gap, verbose, start, progress, threads
     x_val = np.array([round(v.varValue or 0) for v in xb], dtype=int)
     objective_ms = float(f.cost @ x_val)
     finished = prob.sol_status == pulp.LpSolutionOptimal and "Cbc0044I" not in log
-    bound = _pulp_bound(log, finished, objective_ms, gap)
+    bound = _pulp_bound(log, finished, objective_ms, slack_ms(f, objective_ms, gap))
     gap_value = relative_gap(objective_ms, bound)
-    proved = finished or (gap_value is not None and gap_value <= gap * (1 + 1e-9))
+    proved = finished or within_tolerance(f, objective_ms, bound, gap)
     res = _finish(f, x_val, "optimal" if proved else "feasible", bound, gap_value, gap, "PULP",
                   False)  # fmt: skip
     res.first_feasible_s = watch.first_s
