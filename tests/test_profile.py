@@ -198,7 +198,6 @@ def test_workspace_where_the_step_does_not_fit_is_measured_alone_at_the_solved_b
     from monet_like import profile as profile_module
 
     monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: False)
-    monkeypatch.setattr(profile_module.workspace, "_ALONE_MEASURED", {})
     _inflated(monkeypatch, profile_module)
     backward = "aten.convolution_backward.default"
     if not backward_alone:
@@ -257,7 +256,6 @@ def test_an_op_measured_alone_may_take_most_of_the_free_memory_and_one_that_cann
 
     def alone_with_free(free):
         monkeypatch.setattr(profile_module.workspace, "_available_memory_bytes", lambda: free)
-        monkeypatch.setattr(profile_module.workspace, "_ALONE_MEASURED", {})
         trial = list(workspace)
         measured, too_large = profile_module._remeasure_alone(graph, torch.device("cpu"), trial)
         return trial, measured, too_large
@@ -280,7 +278,6 @@ def test_ops_alike_are_measured_alone_once(monkeypatch):
         nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
     )
     graph = capture(model, (8, 16, 16), 4)
-    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
     runs = []
     real_alone = workspace_module._workspace_alone
 
@@ -290,15 +287,19 @@ def test_ops_alike_are_measured_alone_once(monkeypatch):
 
     monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
     forwards = [op for op in graph.ops if op.target == "aten.convolution.default"]
+    shared = workspace_module.AloneRuns()
     measured, _ = workspace_module._remeasure_alone(
-        graph, torch.device("cpu"), [0] * len(graph.ops)
+        graph, torch.device("cpu"), [0] * len(graph.ops), runs=shared
     )
     assert {op.index for op in forwards} <= set(measured)
     forward_runs = [name for name in runs if name in {op.name for op in forwards}]
     assert forward_runs == [forwards[0].name, forwards[2].name]  # the second is the first's
     runs.clear()
-    again, _ = workspace_module._remeasure_alone(graph, torch.device("cpu"), [0] * len(graph.ops))
-    assert again == measured and runs == []  # a second graph in the same process
+    cpu, no_workspace = torch.device("cpu"), [0] * len(graph.ops)
+    again, _ = workspace_module._remeasure_alone(graph, cpu, no_workspace, runs=shared)
+    assert again == measured and runs == []  # a second graph profiled with the same captures
+    afresh, _ = workspace_module._remeasure_alone(graph, cpu, no_workspace)
+    assert afresh == measured and forwards[0].name in runs  # a profile taken afresh
 
 
 def test_both_graphs_profiles_capture_the_model_once_per_smaller_batch(monkeypatch):
@@ -398,9 +399,9 @@ def test_a_convolution_at_pytorchs_algorithm_is_measured_alone_once_for_both_gra
     model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(8, 4, 1))
     captured = capture(model, (4, 16, 16), 4)
     graph = apply(captured, "conv")
-    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
+    shared = workspace_module.AloneRuns()
     first, _ = workspace_module._remeasure_alone(
-        captured, torch.device("cpu"), [0] * len(captured.ops)
+        captured, torch.device("cpu"), [0] * len(captured.ops), runs=shared
     )
     runs = []
     real_alone = workspace_module._workspace_alone
@@ -410,7 +411,9 @@ def test_a_convolution_at_pytorchs_algorithm_is_measured_alone_once_for_both_gra
         return real_alone(node, device, gen, arena)
 
     monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
-    second, _ = workspace_module._remeasure_alone(graph, torch.device("cpu"), [0] * len(graph.ops))
+    second, _ = workspace_module._remeasure_alone(
+        graph, torch.device("cpu"), [0] * len(graph.ops), runs=shared
+    )
     rewritten = {op.index for op in graph.ops if op.target.startswith("monet_like.conv2d")}
     assert len(rewritten) == 4 and rewritten <= set(second)
     # Not run again: both forwards, and the bias-free layer's backward; the second layer's
@@ -437,7 +440,6 @@ def test_an_op_with_a_broadcast_input_is_measured_alone(monkeypatch):
     backward = next(op for op in graph.ops if op.target == "aten.convolution_backward.default")
     node = next(n for n in graph.fx.graph.nodes if n.name == backward.name)
     assert 0 in node.args[0].meta["val"].stride()
-    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
     measured, _ = workspace_module._remeasure_alone(
         graph, torch.device("cpu"), [0] * len(graph.ops)
     )
@@ -448,17 +450,44 @@ def _profiled_at_2_for_16(monkeypatch, coverage: float):
     """A small network's graph at batch 16 and its profile at batch 2, the step taken as
     not fitting in memory, the ops alone fresh, with ALONE_COVERAGE `coverage`."""
     from monet_like import profile as profile_module
-    from monet_like.profile import workspace as workspace_module
 
     monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: False)
     monkeypatch.setattr(profile_module, "ALONE_COVERAGE", coverage)
-    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
-    monkeypatch.setattr(workspace_module, "_ALONE_SECONDS", {})
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
     graph = capture(model, (3, 16, 16), 16)
     prof = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
     return model, graph, prof
+
+
+def test_a_fresh_profile_runs_its_ops_alone_afresh_and_shared_captures_share_them(monkeypatch):
+    """Two profiles taken afresh in one process are independent: each runs its ops alone
+    (the solver's benchmark compares solves over such profiles); the graphs profiled with
+    one `captures` (a mode's two graphs) run an op they share once."""
+    from monet_like.profile import workspace as workspace_module
+
+    calls = []
+    real_alone = workspace_module._workspace_alone
+
+    def counted(node, device, gen, arena=None):
+        calls.append(node.name)
+        return real_alone(node, device, gen, arena)
+
+    monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
+    model, graph, first = _profiled_at_2_for_16(monkeypatch, coverage=0.9)
+    once = list(calls)
+    assert once and dict(first.alone_seconds)
+    calls.clear()
+    again = profile(model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False)
+    assert calls == once and dict(again.alone_seconds).keys() == dict(first.alone_seconds).keys()
+    captures: dict = {}
+    for k in range(2):
+        calls.clear()
+        profile(
+            model, graph, profile_batch=2, repeats=1, use_cache=False, progress=False,
+            captures=captures,
+        )  # fmt: skip
+        assert calls == (once if k == 0 else [])
 
 
 def test_times_at_the_solved_batch_come_from_the_ops_run_alone_there(monkeypatch):
@@ -498,7 +527,6 @@ def test_an_op_reading_a_mask_runs_alone_and_one_shaped_by_its_values_does_not(m
     graph = capture(Masked(), (3, 8, 8), 4)
     masked = [op for op in graph.ops if "masked_fill" in op.target]
     assert masked
-    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
     measured, _ = workspace_module._remeasure_alone(
         graph, torch.device("cpu"), [0] * len(graph.ops)
     )
@@ -584,12 +612,10 @@ def test_a_profile_shows_one_bar_that_says_how_long_is_left(
     bar ends full."""
     from monet_like import profile as profile_module
     from monet_like.profile import progress as progress_module
-    from monet_like.profile import workspace as workspace_module
     from monet_like.variants import apply
 
     monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: fits)
     monkeypatch.setattr(profile_module, "ALONE_COVERAGE", 1.01 if fitted else 0.0)
-    monkeypatch.setattr(workspace_module, "_ALONE_MEASURED", {})
     left_over, expected = [], set()
     real_expect, real_close = progress_module.Stages.expect, progress_module.Stages.close
 

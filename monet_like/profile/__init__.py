@@ -66,6 +66,7 @@ from monet_like.profile.types import (
     load_per_core,
 )
 from monet_like.profile.workspace import (
+    AloneRuns,
     _extrapolate,
     _extrapolate_float,
     _fits_in_memory,
@@ -73,6 +74,7 @@ from monet_like.profile.workspace import (
     _workspace_cpu,
     _workspace_cuda,
     _workspace_of,
+    alone_runs_of,
 )
 
 __all__ = [
@@ -258,7 +260,9 @@ def profile(
             times, run_s = timed_at(small, profile_batch, True, spread, args_fn)
             linear = [t * graph.batch / profile_batch for t in times]  # a first estimate
             _expect_stages(stages, graph, profile_batch, fits, run_s)
-            _expect_later(stages, graph, device, profile_batch, linear, alone_runs, conv_sites)
+            alone_done = alone_runs_of(captures)
+            expect_alone = alone_done if alone_runs else None
+            _expect_later(stages, graph, device, profile_batch, linear, expect_alone, conv_sites)
             workspace, method = _workspace_at(model, small, device, dtype)
             stages.done(f"workspace at batch {profile_batch}")
             times_at_batch = False  # set where the ops alone or a fit give them there
@@ -282,7 +286,7 @@ def profile(
                     if not fits:
                         workspace = [w * graph.batch // profile_batch for w in workspace]
                     alone, too_large = _remeasure_alone(
-                        graph, device, workspace, stages.tick, alone_s, workspace_too=not fits
+                        graph, device, workspace, stages.tick, alone_s, not fits, alone_done
                     )
                     if not fits:
                         at_batch = set(alone)
@@ -355,7 +359,7 @@ def profile(
         algorithms: dict = {}
         if conv_sites:
             at_solved = [t * scale for t in times]
-            _expect_later(stages, graph, device, profile_batch, at_solved, False, True)
+            _expect_later(stages, graph, device, profile_batch, at_solved, None, True)
             algorithms = _algorithm_options(
                 graph, device, profile_batch, repeats, progress, stages.tick
             )
@@ -460,14 +464,15 @@ def _expect_later(
     device: torch.device,
     profile_batch: int,
     times: list[float],
-    alone: bool,
+    alone: AloneRuns | None,
     conv_sites: bool,
 ) -> None:
-    """The ops to run alone at the solved batch (where `alone`) and the convolution
-    algorithms (where `conv_sites`), estimated from each op's time at the solved batch
-    (`times`): first from the profile's batch scaled up, then as measured."""
-    if alone:
-        stages.expect(f"ops alone at batch {graph.batch}", alone_seconds(graph, times, device))
+    """The ops to run alone at the solved batch (where `alone`, those measured so far) and
+    the convolution algorithms (where `conv_sites`), estimated from each op's time at the
+    solved batch (`times`): first from the profile's batch scaled up, then as measured."""
+    if alone is not None:
+        seconds = alone_seconds(graph, times, device, alone.workspace)
+        stages.expect(f"ops alone at batch {graph.batch}", seconds)
     if conv_sites:
         stages.expect("convolution algorithms", algorithm_seconds(graph, times, profile_batch))
 

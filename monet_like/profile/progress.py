@@ -94,17 +94,18 @@ class Stages:
             self.bar.close()
 
 
-def alone_seconds(graph: Graph, times: list[float], device: torch.device) -> float:
+def alone_seconds(graph: Graph, times: list[float], device: torch.device, done=None) -> float:
     """Estimated seconds of `_remeasure_alone(graph, device, ...)`: each distinct op it
-    will run (by `_op_signature`, not measured yet in this process) ALONE_OVER_STEP times
-    its estimated time in the step at the solved batch (`times`, per op)."""
-    from monet_like.profile.workspace import _ALONE_MEASURED, _alone_ops
+    will run (by `_op_signature`, not in `done`, the signatures measured already)
+    ALONE_OVER_STEP times its estimated time in the step at the solved batch (`times`, per
+    op)."""
+    from monet_like.profile.workspace import _alone_ops
 
     if device.type != "cpu" or graph.fx is None:
         return 0.0
     to_run: dict[tuple, float] = {}
     for op, _node, signature in _alone_ops(graph, device):
-        if signature not in _ALONE_MEASURED:
+        if signature not in (done or {}):
             to_run.setdefault(signature, times[op.index])
     return ALONE_OVER_STEP * sum(to_run.values())
 

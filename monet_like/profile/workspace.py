@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -310,11 +311,23 @@ def _shapes(value) -> list:
     ]
 
 
-# Workspace of ops measured alone, by `_op_signature`: a repeated block's ops, and the
-# ops the captured graph shares with its variants' graph (profiled in turn in one
-# process), are run once. Half of a cold ResNet-50 (184) profile went to these runs.
-_ALONE_MEASURED: dict[tuple, int | None] = {}  # None: it failed on random inputs
-_ALONE_SECONDS: dict[tuple, float] = {}  # the same runs' seconds
+@dataclass
+class AloneRuns:
+    """Ops measured alone, by `_op_signature`: a repeated block's ops, and the ops the
+    captured graph shares with its variants' graph (profiled in turn with one `captures`),
+    are run once (half of a cold ResNet-50 (184) profile went to these runs). Kept per
+    profile or per `captures`, not per process: a profile taken afresh measures afresh."""
+
+    # None: it failed on random inputs
+    workspace: dict[tuple, int | None] = field(default_factory=dict)
+    seconds: dict[tuple, float] = field(default_factory=dict)  # the same runs' seconds
+
+
+def alone_runs_of(captures: dict | None) -> AloneRuns:
+    """The `AloneRuns` shared through `captures` (a new one where there is none)."""
+    if captures is None:
+        return AloneRuns()
+    return captures.setdefault("ops alone", AloneRuns())
 
 
 def _op_signature(node, device: torch.device) -> tuple:
@@ -370,9 +383,10 @@ def _remeasure_alone(
     tick: Callable[[], None] | None = None,
     seconds: dict[int, float] | None = None,
     workspace_too: bool = True,
+    runs: AloneRuns | None = None,
 ) -> tuple[list[int], list[str]]:
     """Run each op that computes or writes in place alone at `graph`'s batch, on random
-    inputs of its shapes (ops alike, by `_op_signature`, once in this process): its
+    inputs of its shapes (ops alike, by `_op_signature`, once in `runs`): its
     workspace replaces the figure in `workspace` (fitted from smaller batches) where
     `workspace_too`, and `seconds`, where given, receives its time. An op is left as it
     was when an input is not a tensor of floats or booleans (random indices could be
@@ -384,11 +398,12 @@ def _remeasure_alone(
         return [], []
     gen = torch.Generator(device="cpu").manual_seed(0)
     arena = _InputArena(device)
+    runs = AloneRuns() if runs is None else runs
     measured, too_large = [], []
     for op, node, signature in _alone_ops(graph, device):
         if tick is not None:
             tick()
-        if signature not in _ALONE_MEASURED:
+        if signature not in runs.workspace:
             touched = sum(graph.storages[i].nbytes for i in {*op.reads, *op.outputs})
             # Read per op: what other processes hold moves. Was half of what was free before
             # the first op, which left VGG-16's (176) largest backward (10.5 GiB with its
@@ -398,16 +413,16 @@ def _remeasure_alone(
                 too_large.append(op.name)
                 continue
             try:
-                found, _ALONE_SECONDS[signature] = _workspace_alone(node, device, gen, arena)
-                _ALONE_MEASURED[signature] = found
+                found, runs.seconds[signature] = _workspace_alone(node, device, gen, arena)
+                runs.workspace[signature] = found
             except (RuntimeError, NotImplementedError):
-                _ALONE_MEASURED[signature] = None  # fails on random inputs: as fitted
-        if _ALONE_MEASURED[signature] is not None:
+                runs.workspace[signature] = None  # fails on random inputs: as fitted
+        if runs.workspace[signature] is not None:
             if workspace_too:
-                workspace[op.index] = _ALONE_MEASURED[signature]
+                workspace[op.index] = runs.workspace[signature]
             measured.append(op.index)
-            if seconds is not None and signature in _ALONE_SECONDS:
-                seconds[op.index] = _ALONE_SECONDS[signature]
+            if seconds is not None and signature in runs.seconds:
+                seconds[op.index] = runs.seconds[signature]
     return measured, too_large
 
 
