@@ -278,14 +278,7 @@ def test_ops_alike_are_measured_alone_once(monkeypatch):
         nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
     )
     graph = capture(model, (8, 16, 16), 4)
-    runs = []
-    real_alone = workspace_module._workspace_alone
-
-    def counted(node, device, gen, arena=None):
-        runs.append(node.name)
-        return real_alone(node, device, gen, arena)
-
-    monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
+    runs = _ops_run_alone(monkeypatch, lambda node: node.name)
     forwards = [op for op in graph.ops if op.target == "aten.convolution.default"]
     shared = workspace_module.AloneRuns()
     measured, _ = workspace_module._remeasure_alone(
@@ -403,14 +396,7 @@ def test_a_convolution_at_pytorchs_algorithm_is_measured_alone_once_for_both_gra
     first, _ = workspace_module._remeasure_alone(
         captured, torch.device("cpu"), [0] * len(captured.ops), runs=shared
     )
-    runs = []
-    real_alone = workspace_module._workspace_alone
-
-    def counted(node, device, gen, arena=None):
-        runs.append(str(node.target))
-        return real_alone(node, device, gen, arena)
-
-    monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
+    runs = _ops_run_alone(monkeypatch, lambda node: str(node.target))
     second, _ = workspace_module._remeasure_alone(
         graph, torch.device("cpu"), [0] * len(graph.ops), runs=shared
     )
@@ -460,20 +446,27 @@ def _profiled_at_2_for_16(monkeypatch, coverage: float):
     return model, graph, prof
 
 
+def _ops_run_alone(monkeypatch, name) -> list:
+    """The ops run alone from here on (`name(node)` each), in order."""
+    from monet_like.profile import workspace as workspace_module
+
+    runs = []
+    real_alone = workspace_module._workspace_alone
+
+    def counted(node, device, gen, arena=None):
+        runs.append(name(node))
+        return real_alone(node, device, gen, arena)
+
+    monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
+    return runs
+
+
 def test_a_fresh_profile_runs_its_ops_alone_afresh_and_shared_captures_share_them(monkeypatch):
     """Two profiles taken afresh in one process are independent: each runs its ops alone
     (the solver's benchmark compares solves over such profiles); the graphs profiled with
     one `captures` (a mode's two graphs) run an op they share once."""
-    from monet_like.profile import workspace as workspace_module
 
-    calls = []
-    real_alone = workspace_module._workspace_alone
-
-    def counted(node, device, gen, arena=None):
-        calls.append(node.name)
-        return real_alone(node, device, gen, arena)
-
-    monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
+    calls = _ops_run_alone(monkeypatch, lambda node: node.name)
     model, graph, first = _profiled_at_2_for_16(monkeypatch, coverage=0.9)
     once = list(calls)
     assert once and dict(first.alone_seconds)
