@@ -58,6 +58,12 @@ def slack_ms(f, objective_ms: float, gap: float, minimize_budget: bool = False) 
     return max(gap * objective_ms, abs_gap_ms(f, gap, minimize_budget))
 
 
+def tolerance_gap(f, objective_s: float, gap: float, minimize_budget: bool = False) -> float:
+    """The relative gap that a search finished within its tolerance proves for a schedule
+    of objective `objective_s` (> 0), where the solver reports no bound: `slack_ms` of it."""
+    return slack_ms(f, objective_s / MS, gap, minimize_budget) / (objective_s / MS)
+
+
 def within_tolerance(
     f, objective_ms: float, bound_ms: float | None, gap: float, minimize_budget: bool = False
 ) -> bool:
@@ -83,5 +89,5 @@ def _finish(f, x_val, status, bound, gap_value, gap, solver, minimize_budget) ->
     if final == "optimal" and gap_value is None:
         # A search that finished within its tolerance (`slack_ms`): that bounds the gap
         # even where the solver reports no bound.
-        gap_value = slack_ms(f, objective / MS, gap, minimize_budget) / (objective / MS)
+        gap_value = tolerance_gap(f, objective, gap, minimize_budget)
     return RawResult(final, x_val, objective, bound, gap_value, 0.0, solver)

@@ -21,6 +21,7 @@ from monet_like.solver.backends import (
     abs_gap_ms,
     relative_gap,
     slack_ms,
+    tolerance_gap,
     within_tolerance,
 )
 from monet_like.solver.backends.highs import _binary_bounds
@@ -287,7 +288,7 @@ def merge_cbc_outcomes(
     proved = any(r.status == "optimal" for r in found)  # best is at most that one's
     gap_value = relative_gap(best.objective, bound)
     if proved and gap_value is None:
-        gap_value = slack_ms(f, best.objective / MS, gap) / (best.objective / MS)
+        gap_value = tolerance_gap(f, best.objective, gap)
     return RawResult("optimal" if proved else "feasible", best.x_bool, best.objective, bound,
                      gap_value, solve_time_s, "CBC", best.message)  # fmt: skip
 
