@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from monet_like import toolchain
 from monet_like.errors import UserError
 
 NAMESPACE = "monet_like"
@@ -133,6 +134,13 @@ def _load_extension() -> bool:
     spec = importlib.util.find_spec("monet_like._C")
     if spec is None or spec.origin is None or not _extension_is_current(Path(spec.origin)):
         return False
+    if toolchain.carries_own_libstdcxx(spec.origin):
+        print(
+            "monet_like: ignoring monet_like._C (linked with its own copy of libstdc++, which "
+            "breaks its error messages); compiling instead",
+            file=sys.stderr,
+        )
+        return False
     try:
         importlib.import_module("monet_like._C")
     except ImportError as exc:  # built for another torch or Python: compile afresh
@@ -141,11 +149,13 @@ def _load_extension() -> bool:
     return _ops_registered()
 
 
-def _build_key(sources: list[Path]) -> str:
+def _build_key(sources: list[Path], compiler: str = "") -> str:
     h = hashlib.sha256()
     for src in sources:
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     h.update("|".join([torch.__version__, *_CFLAGS, *_LDFLAGS, *_CUDA_CFLAGS]).encode())
+    if compiler:  # one put in place of the requested one (toolchain.compiler_overrides)
+        h.update(b"|" + compiler.encode())
     return h.hexdigest()[:16]
 
 
@@ -198,9 +208,10 @@ def _jit_build() -> None:
             "monet_like operators; install g++ (or set CXX)"
         )
     _ensure_ninja_on_path()
+    overrides = toolchain.compiler_overrides()
     cuda = _want_cuda()
     sources = [_CPP] + ([_CU] if cuda else [])
-    build_dir = cache_dir() / "ext" / _build_key(sources)
+    build_dir = cache_dir() / "ext" / _build_key(sources, overrides.get("CXX", ""))
     build_dir.mkdir(parents=True, exist_ok=True)
     if not (build_dir / f"{_JIT_NAME}.so").exists():
         print(
@@ -209,21 +220,28 @@ def _jit_build() -> None:
             flush=True,
         )
     try:
-        cpp_extension.load(
-            name=_JIT_NAME,
-            sources=[str(s) for s in sources],
-            build_directory=str(build_dir),
-            extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS,
-            extra_cuda_cflags=_CUDA_CFLAGS + (_cuda_include_flags() if cuda else []),
-            is_python_module=False,
-            verbose=False,
-        )
+        with toolchain.environment(overrides):
+            cpp_extension.load(
+                name=_JIT_NAME,
+                sources=[str(s) for s in sources],
+                build_directory=str(build_dir),
+                extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
+                extra_cuda_cflags=_CUDA_CFLAGS + (_cuda_include_flags() if cuda else []),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - any build failure becomes one clear message
         raise UserError(
             f"monet_like: building the C++ operators in {build_dir} failed "
             f"({type(exc).__name__}); the compiler said:\n{_tail(str(exc))}"
         ) from exc
+    if toolchain.carries_own_libstdcxx(build_dir / f"{_JIT_NAME}.so"):
+        raise UserError(
+            f"monet_like: the operators built in {build_dir} carry their own copy of "
+            "libstdc++ (linked statically): an error raised by them would crash the process. "
+            "Set CXX to a compiler that links libstdc++ dynamically"
+        )
 
 
 def _warn_missing_cuda() -> None:

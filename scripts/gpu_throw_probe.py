@@ -1,10 +1,13 @@
 """Does a C++ exception thrown from nvcc-compiled host code reach Python?
 
 On one GPU image an error raised by a TORCH_CHECK in csrc/ops_cuda.cu killed the process
-(SIGSEGV) while the same check in csrc/ops.cpp raised RuntimeError. This builds a one-op
-extension from a .cu file under several host-compiler settings (the image's CC, none, the
-C++ compiler torch uses) and calls it in a child process each, so a crash is reported,
-not suffered. No GPU is needed: the throw is in host code.
+(SIGSEGV). The cause: that image's g++ wrapper links libstdc++ statically, and formatting a
+number in the message with that private copy crashed (monet_like/toolchain.py). This builds
+a one-op extension from a .cu file, whose message formats a number, under several
+host-compiler settings (the image's CC, none, the C++ compiler torch uses) and calls it in
+a child process each, so a crash is reported, not suffered. No GPU is needed: the throw is
+in host code. It builds with the compilers as given: the package's own build picks one
+that links libstdc++ dynamically.
 
 With a GPU it also builds monet_like's own operators with CC set to torch's C++ compiler and
 checks that relu_backward_mask's CUDA kernel, given a float mask, raises.
@@ -26,7 +29,7 @@ SOURCE = r"""
 #include <torch/library.h>
 
 at::Tensor probe_throw(const at::Tensor& t) {
-  TORCH_CHECK(t.numel() < 0, "probe: thrown from nvcc-compiled code");
+  TORCH_CHECK(t.numel() < 0, "probe: thrown from nvcc-compiled code, numel ", t.numel());
   return t;
 }
 

@@ -28,6 +28,7 @@ import torch
 
 # importing it builds nothing; the flags are the loader's, so the test builds what users run
 from monet_like.kernels import _CFLAGS, _CUDA_CFLAGS, _LDFLAGS, OPS
+from monet_like.toolchain import carries_own_libstdcxx, compiler_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "csrc" / "ops.cpp", ROOT / "csrc" / "ops_cuda.cu"]
@@ -308,6 +309,7 @@ def test_cuda_sources_build_and_register() -> None:
     assert nvcc is not None
     cuda_home = _cuda_home(nvcc)
     env = dict(os.environ, CUDA_HOME=cuda_home)
+    env.update(compiler_overrides(env))  # the compiler the package's own build would use
     if not env.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         env["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH  # with a GPU torch builds for that one
     # cpp_extension runs ninja from PATH; a venv's python run by its full path lacks it there.
@@ -320,7 +322,8 @@ def test_cuda_sources_build_and_register() -> None:
         key.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     arch = env.get("TORCH_CUDA_ARCH_LIST", "native")
     key.update(
-        f"{torch.__version__}|{cuda_home}|{includes}|{arch}|{_CFLAGS}|{_CUDA_CFLAGS}".encode()
+        f"{torch.__version__}|{cuda_home}|{includes}|{arch}|{_CFLAGS}|{_CUDA_CFLAGS}|"
+        f"{env.get('CXX', '')}".encode()
     )
     build_dir = _cache_root() / "ext-cuda" / key.hexdigest()[:16]
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -347,6 +350,8 @@ def test_cuda_sources_build_and_register() -> None:
     tail = "\n".join(log.strip().splitlines()[-120:])
     assert proc.returncode == 0, f"CUDA build or check failed in {build_dir}:\n{tail}"
     assert f"REGISTERED {len(ops)}" in proc.stdout, tail
+    # a private libstdc++ breaks the kernels' error messages (toolchain's docstring)
+    assert not carries_own_libstdcxx(build_dir / "monet_like_ops_cuda_test.so"), build_dir
     if torch.cuda.is_available():
         assert "GPU OK" in proc.stdout, tail
     print(f"built and loaded in {time.monotonic() - start:.0f} s ({build_dir})")
