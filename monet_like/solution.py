@@ -19,6 +19,12 @@ from monet_like.files import atomic_write
 FORMAT_VERSION = 4  # 2: variants_off; 3: algorithms; 4: outputs_held, workspace
 
 
+def _torch_version() -> str:
+    import torch  # the solver's process has it loaded; plain readers of files need not
+
+    return torch.__version__
+
+
 class SolutionFileError(UserError):
     """A solution file that cannot be used: corrupt, truncated, edited, or of another
     format. Its message is one line that says what is wrong and what to do."""
@@ -73,6 +79,9 @@ class Solution:
     algorithms: dict[str, list[int]] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     library_version: str = __version__
+    # the torch the step was captured under ("" in files that predate the field): graphs,
+    # hence fingerprints, can differ between torch versions (a view op renamed)
+    torch_version: str = field(default_factory=_torch_version)
     # bytes of scratch each op takes while it runs (op name -> bytes), from the profile:
     # what the budget is re-checked with when the file is loaded
     workspace: dict[str, int] = field(default_factory=dict)
@@ -180,6 +189,7 @@ _CHECKS = {
     ),
     "format_version": ("an integer", _is_int),
     "library_version": ("a string", lambda v: isinstance(v, str)),
+    "torch_version": ("a string", lambda v: isinstance(v, str)),
     "workspace": (
         "an object of op -> bytes",
         lambda v: isinstance(v, dict) and all(_is_int(b) and b >= 0 for b in v.values()),
@@ -247,6 +257,7 @@ def from_dict(data, where: str = "solution") -> Solution:
     if problem:
         raise SolutionFileError(f"{where}: {problem}")
     data = dict(data, input_shape=tuple(data["input_shape"]))
+    data.setdefault("torch_version", "")  # not the running torch's: unknown
     return Solution(**data)
 
 

@@ -83,6 +83,23 @@ def solution_graph(model: nn.Module, sol, device: str | torch.device):
     return apply_variants(graph, tuple(sol.variants or ()), tuple(sol.plain_batch_norms))
 
 
+def _why_another_graph(sol, device: torch.device) -> str:
+    """The likely cause of a fingerprint mismatch, and what to do, for the message."""
+    solved_on = torch.device(sol.device).type
+    if solved_on != device.type:
+        # ResNet-50's CUDA graph has cuDNN's BatchNorm ops where the CPU's has aten's
+        return (
+            f"it was solved on {solved_on}, and PyTorch runs other kernels on {device.type} "
+            f"(cuDNN's BatchNorm on CUDA): solve on {device.type}"
+        )
+    if sol.torch_version and sol.torch_version != torch.__version__:
+        return (
+            f"it was solved under torch {sol.torch_version}, whose graph may differ from "
+            f"torch {torch.__version__}'s: solve again under this torch"
+        )
+    return "solve again for this model"
+
+
 class ScheduleWrapper(nn.Module):
     def __init__(
         self, model: nn.Module, solution_file: str | os.PathLike, input_shape: tuple[int, ...]
@@ -118,7 +135,7 @@ class ScheduleWrapper(nn.Module):
             raise ScheduleMismatch(
                 f"{solution_file} was solved for another graph ({sol.model}, batch {sol.batch},"
                 f" {sol.dtype}; fingerprint {sol.fingerprint}, this model gives "
-                f"{graph.fingerprint}): solve again for this model"
+                f"{graph.fingerprint}): {_why_another_graph(sol, param.device)}"
             )
         self._graph = graph
         self._schedule = build(graph, sol)  # refuses decisions that would change a value

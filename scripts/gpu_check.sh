@@ -7,7 +7,8 @@
 #   2. one small replay on CUDA (ResNet-18, full mode): measured peak (the CUDA caching
 #      allocator) against the predicted peak and the budget, gradients against eager;
 #      then the allocator's bytes per step and TF32 on and off (scripts/gpu_replay_probe.py);
-#   3. a zoo schedule (profiled on the CPU) replayed on CUDA at full size;
+#   3. the same model in the full mode at 8 GB (cuDNN algorithms, the CUDA kernels) solved
+#      and replayed, and the zoo's CPU schedule refused on CUDA (another graph there);
 #   4. the CUDA kernels built and compared with their references on the GPU;
 #      GPU_CHECK_THROW_PROBE=1 adds whether an error thrown in nvcc-compiled code reaches
 #      Python, per host compiler (scripts/gpu_throw_probe.py; minutes of builds);
@@ -38,9 +39,16 @@ timeout 120 "$PY" schedule.py "torchvision.models.resnet18()" 32 0.123 inplace_c
     --input_shape 3,64,64 --device cuda --solution_file "$out/gpu.json" --run_bs --check_diff || status=1
 stage "2b. where the replay's memory goes; TF32 on and off"
 timeout 120 "$PY" scripts/gpu_replay_probe.py "$out/gpu.json" || status=1
-stage "3. the zoo's ResNet-50 (184) normal 5 GB schedule, profiled on the CPU, replayed on CUDA"
-timeout 150 "$PY" schedule.py "torchvision.models.resnet50()" 184 5 normal HIGHS --input_shape 3,224,224 \
-    --device cuda --solution_file zoo:solution_resnet50_184_normal_5 --run_bs --check_runtime || status=1
+stage "3. ResNet-50, batch 184: the full mode at 8 GB on CUDA; the zoo's CPU schedule refused there"
+full=("torchvision.models.resnet50()" 184 8 inplace_conv_multiway_newnode HIGHS --input_shape 3,224,224
+      --device cuda)
+timeout 200 "$PY" solve.py "${full[@]}" --time_limit 40 --no_zoo --output "$out/r50_cuda_full_8.json" --force \
+  && timeout 120 "$PY" schedule.py "${full[@]}" --solution_file "$out/r50_cuda_full_8.json" \
+       --run_bs --check_diff --check_runtime --iterations 5 || status=1
+refusal=$(timeout 120 "$PY" schedule.py "torchvision.models.resnet50()" 184 5 normal HIGHS \
+  --input_shape 3,224,224 --device cuda --solution_file zoo:solution_resnet50_184_normal_5 2>&1)
+echo "$refusal" | tail -1
+echo "$refusal" | grep -q "solved on cpu" || status=1
 stage "4. CUDA kernels"
 timeout 300 "$PY" -m pytest -q -n0 tests/test_cuda_build.py -p no:cacheprovider || status=1
 if [ "${GPU_CHECK_THROW_PROBE:-0}" = 1 ]; then

@@ -264,6 +264,32 @@ def test_wrapper_shares_parameters_and_modes(resnet_solution):
         assert model.bn1.num_batches_tracked == before + 1
 
 
+def test_a_mismatched_graph_is_explained_by_the_device_or_torch_it_was_solved_on(
+    resnet_solution, tmp_path
+):
+    path, model, sol = resnet_solution
+    assert sol.torch_version == torch.__version__  # recorded by the solve
+    data = json.loads(path.read_text())
+    data["fingerprint"] = "0" * 16  # as another torch's or device's graph would give
+    cases = {
+        "cuda": (
+            dict(data, device="cuda"),
+            "solved on cuda, and PyTorch runs other kernels on cpu",
+        ),
+        "torch": (dict(data, torch_version="2.0.0"), "solved under torch 2.0.0"),
+        "unknown": (
+            {k: v for k, v in data.items() if k != "torch_version"},
+            "solve again for this",
+        ),
+    }
+    for name, (edited, why) in cases.items():
+        file = tmp_path / f"{name}.json"
+        file.write_text(json.dumps(edited))
+        with pytest.raises(ScheduleMismatch, match="another graph") as err:
+            ScheduleWrapper(model, file, (3, 64, 64))
+        assert why in str(err.value), name
+
+
 def test_refusals(resnet_solution, tmp_path):
     path, model, sol = resnet_solution
     with pytest.raises(ScheduleMismatch, match="input shape"):
