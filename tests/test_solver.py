@@ -1433,6 +1433,40 @@ def test_highs_stopped_without_a_schedule_keeps_its_bound(monkeypatch):
     assert budget.bound is None  # a bound on memory, not on recomputation
 
 
+def test_raced_highs_searches_prove_together_what_neither_proved_alone(monkeypatch):
+    """One search's schedule and another's bound, within the tolerance together, make the
+    result optimal (on an H200 a full-mode solve ended "feasible" with its gap 0.09% of the
+    recomputation: each racer stopped on its own gap or limit); bounds short of it leave it
+    feasible."""
+    from monet_like.solver.backends import highs, slack_ms
+
+    f = formulate(CHAIN, None)
+    budget = 9 * MIB  # some recomputation
+    real = solve_formulation(f, budget, "HIGHS", time_limit=30)
+    x = real.x_bool.astype(int)
+    cost_ms = float(f.cost @ x)
+    slack = slack_ms(f, cost_ms, 1e-3)
+    assert 0 < 2 * slack < cost_ms
+
+    def searches(other_bound):
+        def search(f_, rhs, time_limit, gap, verbose, minimize_budget, start, pins, seed, *rest):
+            if seed == 0:  # the schedule, with a weak bound of its own
+                return highs._HighsOutcome("feasible", x, cost_ms, 0.0, "", 0.1, 0)
+            return highs._HighsOutcome("stopped", None, np.inf, other_bound, "", None, 1)
+
+        return search
+
+    rhs = _rhs_for(f, budget)
+    for other_bound, status in (
+        (cost_ms - slack / 2, "optimal"),
+        (cost_ms - 2 * slack, "feasible"),
+    ):
+        monkeypatch.setattr(highs, "_highs_search", searches(other_bound))
+        raw = highs._solve_highs(f, rhs, None, 1e-3, False, False, None, None, workers=2)
+        assert raw.status == status, other_bound
+        assert raw.gap == pytest.approx((cost_ms - other_bound) / cost_ms)
+
+
 def test_a_highs_search_past_its_time_limit_is_stopped_with_its_last_schedule(monkeypatch):
     """HiGHS 1.16 ran over 14 minutes on a 118 s limit (in a restart's presolve, which
     polls neither its clock nor our interrupt): a whole-problem search runs forked and
@@ -1449,7 +1483,8 @@ def test_a_highs_search_past_its_time_limit_is_stopped_with_its_last_schedule(mo
 
     def hangs(f_, rhs, time_limit, gap, verbose, minimize_budget, start, pins, seed, progress,
               stop, found):  # fmt: skip
-        found(highs._HighsOutcome("feasible", real.x_bool.astype(np.int8), 1.0, 0.5, "", 0.1, 0))
+        x8 = real.x_bool.astype(np.int8)
+        found(highs._HighsOutcome("feasible", x8, 1.0, -np.inf, "", 0.1, 0))  # no bound yet
         progress("a schedule told before the hang")
         while True:  # deaf to `stop`, as HiGHS's presolve is
             time.sleep(0.05)

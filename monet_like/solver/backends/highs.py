@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from monet_like.solver.backends import RawResult, _finish, abs_gap_ms, relative_gap
+from monet_like.solver.backends import (
+    RawResult,
+    _finish,
+    abs_gap_ms,
+    relative_gap,
+    within_tolerance,
+)
 from monet_like.solver.formulation import MIB, MS, Formulation, _budget_column, _rhs_for
 from monet_like.solver.race import RACE_GRACE_S, available_cores, race, signals_held
 from monet_like.streams import silenced
@@ -328,7 +334,11 @@ def _merged(f, outcomes: list[_HighsOutcome], gap, minimize_budget, progress) ->
     bound = max(bounds) if bounds else None  # each search's bound holds: the best counts
     if progress is not None and best.seed != 0:
         progress(f"the search with random seed {best.seed}, raced on another core, won")
-    proved = any(o.status == "optimal" for o in found)  # best is at most that one's
+    # best is at most an optimal one's; or one search's schedule and another's bound
+    # together prove it (HiGHS stops each on its own gap, or at its time limit)
+    proved = any(o.status == "optimal" for o in found) or within_tolerance(
+        f, best.objective, bound, gap, minimize_budget
+    )
     res = _finish(
         f, best.x, "optimal" if proved else "feasible", bound,
         relative_gap(best.objective, bound), gap, "HIGHS", minimize_budget,
