@@ -15,6 +15,21 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).resolve().parent
 
 
+def _compiler_linking_libstdcxx_dynamically() -> None:
+    """Build with the compiler the run-time loader would pick: one linking libstdc++
+    statically breaks the operators' error messages (monet_like/toolchain.py)."""
+    sys.path.insert(0, str(HERE))
+    try:
+        from monet_like.errors import UserError
+        from monet_like.toolchain import compiler_overrides
+
+        os.environ.update(compiler_overrides())
+    except UserError as exc:  # the loader refuses such a build at run time, saying why
+        print(exc, file=sys.stderr)
+    finally:
+        sys.path.remove(str(HERE))
+
+
 def _extension() -> tuple[list[Any], dict[str, Any]]:
     """monet_like._C from csrc/ (CUDA kernels too where wanted), built with torch's tools.
 
@@ -41,6 +56,7 @@ def _extension() -> tuple[list[Any], dict[str, Any]]:
                     file=sys.stderr,
                 )
 
+    _compiler_linking_libstdcxx_dynamically()
     # BuildExtension finds ninja on PATH; a venv's python run by its path lacks its bin.
     scripts = sysconfig.get_path("scripts")
     if shutil.which("ninja") is None and scripts and (Path(scripts) / "ninja").exists():

@@ -32,7 +32,8 @@ def needed_libraries(path: str | os.PathLike) -> list[str] | None:
     """The shared libraries an ELF64 little-endian file names as needed (DT_NEEDED).
 
     Returns:
-        Their names in file order, or None when the file is not such an ELF file.
+        Their names in file order, or None when the file is not such an ELF file or has no
+        dynamic section in its section table (nothing known then).
     """
     data = Path(path).read_bytes()
     if data[:6] != b"\x7fELF\x02\x01":  # 64-bit, little-endian
@@ -42,10 +43,11 @@ def needed_libraries(path: str | os.PathLike) -> list[str] | None:
     sections = [
         struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
     ]
-    needed = []
+    needed, dynamic = [], False
     for _name, kind, _flags, _addr, offset, size, link, _info, _align, entsize in sections:
         if kind != _SHT_DYNAMIC:
             continue
+        dynamic = True
         strtab = sections[link][4]
         for pos in range(offset, offset + size, entsize or 16):
             tag, value = struct.unpack_from("<qQ", data, pos)
@@ -54,13 +56,13 @@ def needed_libraries(path: str | os.PathLike) -> list[str] | None:
             if tag == _DT_NEEDED:
                 end = data.index(b"\0", strtab + value)
                 needed.append(data[strtab + value : end].decode())
-    return needed
+    return needed if dynamic else None
 
 
 def carries_own_libstdcxx(path: str | os.PathLike) -> bool:
     """True when a C++ shared library needs no shared libstdc++: it was linked with its own.
 
-    False for a file that is not ELF64 (nothing known then).
+    False where `needed_libraries` knows nothing.
     """
     needed = needed_libraries(path)
     if needed is None:

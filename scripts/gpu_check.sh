@@ -4,6 +4,7 @@
 #   1. MONeT's ResNet-50 configuration (batch 184, 224 px) at full size: profiled and
 #      solved on this GPU at 10 GB (normal), replayed: peak against prediction, gradients
 #      against eager, step time against eager beside the predicted overhead;
+#   1b. whether timing ops one by one overstates the step (scripts/gpu_timing_probe.py);
 #   2. one small replay on CUDA (ResNet-18, full mode): measured peak (the CUDA caching
 #      allocator) against the predicted peak and the budget, gradients against eager;
 #      then the allocator's bytes per step and TF32 on and off (scripts/gpu_replay_probe.py);
@@ -32,6 +33,9 @@ r50=("torchvision.models.resnet50()" 184 10 normal HIGHS --input_shape 3,224,224
 timeout 300 "$PY" solve.py "${r50[@]}" --time_limit 90 --no_zoo --output "$out/r50_cuda_10.json" --force \
   && timeout 180 "$PY" schedule.py "${r50[@]}" --solution_file "$out/r50_cuda_10.json" \
        --run_bs --check_diff --check_runtime --iterations 10 || status=1
+stage "1b. the ops timed one by one against eager's step, and with the GPU kept busy"
+timeout 120 "$PY" scripts/gpu_timing_probe.py --mode normal || status=1
+timeout 120 "$PY" scripts/gpu_timing_probe.py --mode inplace_conv_multiway_newnode || status=1
 stage "2. replay on CUDA: ResNet-18, batch 32, 64 px, full mode at 0.123 GB"
 timeout 300 "$PY" solve.py "torchvision.models.resnet18()" 32 0.123 inplace_conv_multiway_newnode HIGHS \
     --input_shape 3,64,64 --device cuda --time_limit 60 --no_zoo --output "$out/gpu.json" --force || status=1

@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,16 @@ def test_a_prebuilt_extension_with_its_own_libstdcxx_is_not_imported(
     assert (
         "ignoring monet_like._C (linked with its own copy of libstdc++" in capsys.readouterr().err
     )
+
+
+def test_the_install_builds_the_extension_with_the_replacement_compiler(tmp_path: Path) -> None:
+    """setup.py (install.sh's editable install) picks the compiler as the loader does."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, CXX=str(_static_wrapper(tmp_path)))
+    run = subprocess.run(
+        [sys.executable, "setup.py", "--name"], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-1] == "monet_like"
+    assert f"{env['CXX']} links libstdc++ statically" in run.stderr
+    assert "building them with" in run.stderr
