@@ -52,8 +52,11 @@ def test_a_library_linked_with_its_own_libstdcxx_is_told_from_one_that_needs_the
     assert toolchain.carries_own_libstdcxx(own)
     text = tmp_path / "not_elf.so"
     text.write_text("not a library")
-    assert toolchain.needed_libraries(text) is None
-    assert not toolchain.carries_own_libstdcxx(text)
+    obj = tmp_path / "object.o"  # ELF, but with no dynamic section: nothing known either
+    subprocess.run([GXX, "-c", str(tmp_path / "shared.cpp"), "-o", str(obj)], check=True)
+    for unknown in (text, obj):
+        assert toolchain.needed_libraries(unknown) is None
+        assert not toolchain.carries_own_libstdcxx(unknown)
 
 
 def test_the_requested_compiler_is_kept_when_it_links_libstdcxx_dynamically() -> None:
