@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one call (a lent GPU machine has minutes, not hours),
-# the ones no earlier run covered first:
+# The checks that need a GPU, in one call (a lent GPU machine has minutes, not hours; 1b
+# and 2c have not run on a GPU yet, the others ran on an H200 in about 4 minutes):
 #   1. MONeT's ResNet-50 configuration (batch 184, 224 px) at full size: profiled and
 #      solved on this GPU at 10 GB (normal), replayed: peak against prediction, gradients
 #      against eager, step time against eager beside the predicted overhead;
@@ -8,6 +8,7 @@
 #   2. one small replay on CUDA (ResNet-18, full mode): measured peak (the CUDA caching
 #      allocator) against the predicted peak and the budget, gradients against eager;
 #      then the allocator's bytes per step and TF32 on and off (scripts/gpu_replay_probe.py);
+#   2c. a Hugging Face GPT-2 (attention kernels, dropout) solved and replayed on CUDA;
 #   3. the same model in the full mode at 8 GB (cuDNN algorithms, the CUDA kernels) solved
 #      and replayed, and the zoo's CPU schedule refused on CUDA (another graph there);
 #   4. the CUDA kernels built and compared with their references on the GPU;
@@ -43,6 +44,12 @@ timeout 120 "$PY" schedule.py "torchvision.models.resnet18()" 32 0.123 inplace_c
     --input_shape 3,64,64 --device cuda --solution_file "$out/gpu.json" --run_bs --check_diff || status=1
 stage "2b. where the replay's memory goes; TF32 on and off"
 timeout 120 "$PY" scripts/gpu_replay_probe.py "$out/gpu.json" || status=1
+stage "2c. a Hugging Face GPT-2 on CUDA (its attention kernels, dropout) at 0.4 GB (store-all about 0.7)"
+gpt=("transformers.gpt2(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, n_positions=256, bos_token_id=0, eos_token_id=0)"
+     16 0.4 normal HIGHS --input_shape 256 --device cuda)
+timeout 150 "$PY" solve.py "${gpt[@]}" --time_limit 60 --no_zoo --output "$out/gpt2_cuda.json" --force \
+  && timeout 90 "$PY" schedule.py "${gpt[@]}" --solution_file "$out/gpt2_cuda.json" --run_bs --check_diff \
+  || status=1
 stage "3. ResNet-50, batch 184: the full mode at 8 GB on CUDA; the zoo's CPU schedule refused there"
 full=("torchvision.models.resnet50()" 184 8 inplace_conv_multiway_newnode HIGHS --input_shape 3,224,224
       --device cuda)
