@@ -591,9 +591,12 @@ def test_store_all_is_exact_and_compact_is_within_two_percent_of_full(expression
             # A compact solve stopped by its limit (beside other work) may hold a costlier
             # schedule than its optimum; its bound is what it proves (MobileNetV2 failed
             # once beside a second suite, 17.00 against 6.85 ms, the status not recorded).
+            # "optimal" is within 0.1% of the step (solver.md), a few percent of the
+            # recomputation: GoogLeNet's, proved so, was 2.6% above the full optimum
             proved = compact.status == "optimal"
+            tolerance = 1e-3 * problem.fastest_step_s
             assert (compact.objective_s if proved else compact.bound_s) <= (
-                1.02 * full.objective_s + 1e-6
+                1.02 * full.objective_s + tolerance + 1e-6
             ), (compact.status, compact.objective_s, compact.bound_s, full.objective_s)
     if expression in LONG_CHAINS:
         # The full formulation reaches 2% below the compact one's smallest budget (UNet
@@ -1436,8 +1439,8 @@ def test_highs_stopped_without_a_schedule_keeps_its_bound(monkeypatch):
 def test_raced_highs_searches_prove_together_what_neither_proved_alone(monkeypatch):
     """One search's schedule and another's bound, within the tolerance together, make the
     result optimal (on an H200 a full-mode solve ended "feasible" with its gap 0.09% of the
-    recomputation: each racer stopped on its own gap or limit); bounds short of it leave it
-    feasible."""
+    recomputation: each racer stopped at its limit); bounds short of it leave it feasible,
+    and so does a smallest-budget search (window searches improve a stopped one)."""
     from monet_like.solver.backends import highs, slack_ms
 
     f = formulate(CHAIN, None)
@@ -1465,6 +1468,8 @@ def test_raced_highs_searches_prove_together_what_neither_proved_alone(monkeypat
         raw = highs._solve_highs(f, rhs, None, 1e-3, False, False, None, None, workers=2)
         assert raw.status == status, other_bound
         assert raw.gap == pytest.approx((cost_ms - other_bound) / cost_ms)
+        budget_search = highs._solve_highs(f, rhs, None, 1e-3, False, True, None, None, workers=2)
+        assert budget_search.status == "feasible"
 
 
 def test_a_highs_search_past_its_time_limit_is_stopped_with_its_last_schedule(monkeypatch):

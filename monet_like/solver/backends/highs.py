@@ -334,10 +334,11 @@ def _merged(f, outcomes: list[_HighsOutcome], gap, minimize_budget, progress) ->
     bound = max(bounds) if bounds else None  # each search's bound holds: the best counts
     if progress is not None and best.seed != 0:
         progress(f"the search with random seed {best.seed}, raced on another core, won")
-    # best is at most an optimal one's; or one search's schedule and another's bound
-    # together prove it (HiGHS stops each on its own gap, or at its time limit)
-    proved = any(o.status == "optimal" for o in found) or within_tolerance(
-        f, best.objective, bound, gap, minimize_budget
+    # best is at most an optimal one's; or, on the step, one search's schedule and
+    # another's bound together prove it (each stopped at its time limit). Not for the
+    # smallest budget: one stopped is improved by window searches (`_min_schedule`)
+    proved = any(o.status == "optimal" for o in found) or (
+        not minimize_budget and within_tolerance(f, best.objective, bound, gap)
     )
     res = _finish(
         f, best.x, "optimal" if proved else "feasible", bound,
