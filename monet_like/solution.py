@@ -53,6 +53,8 @@ class Solution:
     predicted_peak_bytes: int
     predicted_peak_at: str
     predicted_time_s: float
+    # eager's step (the captured graph, nothing recomputed), also where the schedule runs
+    # on a graph with variants: what `overhead` is relative to
     store_all_peak_bytes: int
     store_all_time_s: float
     fixed_bytes: int
@@ -89,7 +91,7 @@ class Solution:
 
     @property
     def overhead(self) -> float:
-        """Predicted step time relative to the store-all step, minus one."""
+        """Predicted step time relative to eager's store-all step, minus one."""
         return self.predicted_time_s / self.store_all_time_s - 1 if self.store_all_time_s else 0.0
 
     @property

@@ -98,9 +98,7 @@ def main() -> None:
             padded = ops_sum()
         finally:
             torch.cuda.Event = busy.real
-        print(
-            f"the same, GPU busy before each op:  {padded:.4f} s ({padded / eager:.3f} of eager)"
-        )
+        print(f"the same, GPU busy before each op:  {padded:.4f} s ({padded / eager:.3f} of eager)")
     print(f"eager step again:                    {eager_step_s(model, x, 10):.4f} s")
 
 
