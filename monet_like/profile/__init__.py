@@ -42,6 +42,7 @@ from monet_like.profile.algorithms import (
     algorithm_workspace,
     backward_option,
     option,
+    weight_grad_bytes,
 )
 from monet_like.profile.align import (
     _counterparts,
@@ -93,6 +94,7 @@ __all__ = [
     "device_name",
     "option",
     "profile",
+    "weight_grad_bytes",
 ]
 
 # Profiles the solution zoo was solved from (solutions/profiles/), read like the cache's.

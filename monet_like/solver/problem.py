@@ -26,7 +26,7 @@ from monet_like.graph import (
     Graph,
 )
 from monet_like.memory import last_uses
-from monet_like.profile import backward_option, option
+from monet_like.profile import backward_option, option, weight_grad_bytes
 
 # An output at least this many times smaller than its node's largest is a side output:
 # BatchNorm's statistics, the compact max-pool's byte indices (not int64 indices, twice
@@ -433,7 +433,11 @@ def _algorithm_choices(
                 forward_default_s=fwd_s,
                 stage=stage_of.get(bwd_op) if bwd_op is not None else None,
                 backward_live=other_no_ws[bwd_op] if bwd_op is not None else 0,
-                backward=_backward_options(options, bwd_scale) if bwd_op is not None else (),
+                backward=(
+                    _backward_options(options, bwd_scale, weight_grad_bytes(graph, fwd_op))
+                    if bwd_op is not None
+                    else ()
+                ),
                 backward_default_s=bwd_s,
                 backward_op=bwd_op,
             )
@@ -559,12 +563,12 @@ def _pareto(options: list[Option]) -> tuple[Option, ...]:
     return tuple(front)
 
 
-def _backward_options(options: dict, scale: float) -> tuple[Option, ...]:
+def _backward_options(options: dict, scale: float, grad_bytes: int) -> tuple[Option, ...]:
     """Every (backward-data, backward-weight) pair of measured algorithms, its time
-    multiplied by `scale`."""
+    multiplied by `scale` (`grad_bytes`: the weight gradient's, `backward_option`)."""
     data = [row[0] for row in options.get("data", [[-1]])]
     weight = [row[0] for row in options.get("weight", [[-1]])]
-    pairs = [((d, w), *backward_option(options, d, w)) for d in data for w in weight]
+    pairs = [((d, w), *backward_option(options, d, w, grad_bytes)) for d in data for w in weight]
     return _pareto([(algos, t * scale, ws) for algos, t, ws in pairs])
 
 
