@@ -213,8 +213,9 @@ def _algorithm_options(
     batch. Times: the algorithms of a site run in turn, `repeats` rounds (at least 3),
     at the graph's batch or the largest below it that ALGORITHM_TIMING_FLOPS allows,
     then scaled linearly to it (only their ratios are used: problem.AlgorithmChoice).
-    Workspace: measured at the graph's batch where ALGORITHM_WORKSPACE_FLOPS allows, else
-    at the timing batch and a second one, fitted as a + b * batch."""
+    Workspace: measured at the graph's batch (in the timed round where the layer is timed
+    there, else in a run of its own where ALGORITHM_WORKSPACE_FLOPS allows), else at the
+    timing batch and a second one, fitted as a + b * batch."""
     from monet_like.variants import algorithm_sites
 
     nodes = {n.name: n for n in graph.fx.graph.nodes}
@@ -236,9 +237,10 @@ def _algorithm_options(
         keys = [(d, a) for d, rows in calls.items() for a, _ in rows]
         flat = [c for rows in calls.values() for _, c in rows]
         seconds, workspace = _timed_and_measured(flat, device, max(repeats, 3))
-        if timed_at != graph.batch and _conv_flops(weight_shape, out_shape, graph.batch) <= (
-            ALGORITHM_WORKSPACE_FLOPS
-        ):  # measured where it is used: workspace is not linear in the batch
+        if timed_at == graph.batch:
+            pass  # measured where it is used (a fit through a smaller batch put chunks 4 kB under)
+        elif _conv_flops(weight_shape, out_shape, graph.batch) <= ALGORITHM_WORKSPACE_FLOPS:
+            # measured where it is used: workspace is not linear in the batch
             at_batch = _site_calls(site, nodes, graph.batch, device, gen)
             workspace = [_workspace_of(c, device) for rows in at_batch.values() for _, c in rows]
         else:
