@@ -3,8 +3,9 @@
 For each model at a size this CPU steps through in seconds, at budgets from the
 store-all peak down to the smallest feasible one: solve (HiGHS, mode normal),
 replay with ScheduleWrapper, and measure one step's peak (the CPU allocator's own
-events, so workspace counts) and its time against eager PyTorch (interleaved,
-median). Writes a CSV and a PNG of memory against overhead.
+events, so workspace counts) and its time against eager PyTorch (steps interleaved:
+the median of each pair's ratio, and a 95% interval for it). Writes a CSV and a PNG
+of memory against overhead.
 
     python scripts/bench_schedule.py [--models resnet50,...] [--points 5] [--iterations 5]
         [--fractions 1,0.7,0.5] [--input_shape 3,224,224 --batch 8]
@@ -51,6 +52,19 @@ def step_time(net, x, params_of) -> float:
     return time.perf_counter() - t0
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of `values`: order statistics k and
+    n + 1 - k, where the count of values below the true median is binomial(n, 1/2).
+    None where too few values give that confidence (5 give 94%, 6 give 97%)."""
+    from scipy.stats import binom
+
+    ordered, n = sorted(values), len(values)
+    k = 0
+    while k + 1 <= n // 2 and 2 * binom.cdf(k, n, 0.5) <= 1 - confidence:
+        k += 1  # ranks k + 1 and n - k (1-based) still cover the median so often
+    return None if k == 0 else (ordered[k - 1], ordered[n - k])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="resnet50,googlenet,mobilenet_v2,vgg16,unet")
@@ -69,9 +83,11 @@ def main() -> None:
     rows = []
     print(
         f"{'model':12s} {'mode':>24s} {'budget':>9s} {'predicted':>9s} {'measured':>9s}"
-        f" {'recomp':>6s} {'off':>4s} {'pred':>7s} {'ratio':>6s}"
+        f" {'recomp':>6s} {'off':>4s} {'pred':>7s} {'ratio':>6s} {'95% interval':>13s}"
         "  (MiB; off = variant sites turned off, '-' = captured graph kept; pred = predicted"
-        " overhead over the store-all step; ratio = schedule step time / eager step time)"
+        " overhead over eager's store-all step; ratio = median over the interleaved pairs of"
+        " the schedule's step time / eager's; interval: for that median, from the pairs'"
+        " order statistics, nan below 6 pairs)"
     )
     modes = args.modes.split(",")
     for name in args.models.split(","):
@@ -125,11 +141,15 @@ def main() -> None:
             measured = measure_allocator(
                 lambda w=wrapped, x=x: training_step(w, x), [*state_tensors(model), x]
             )
-            times = {"eager": [], "schedule": []}
-            for _ in range(args.iterations + 1):
-                times["eager"].append(step_time(model, x, model))
-                times["schedule"].append(step_time(wrapped, x, model))
-            ratio = statistics.median(times["schedule"][1:]) / statistics.median(times["eager"][1:])
+            pairs = []  # each replayed step over the eager step just before it
+            for k in range(args.iterations + 1):
+                eager_s = step_time(model, x, model)
+                replay_s = step_time(wrapped, x, model)
+                if k:  # the first pair warms up
+                    pairs.append(replay_s / eager_s)
+            ratio = statistics.median(pairs)
+            interval = median_interval(pairs)
+            low_r, high_r = interval if interval else (float("nan"), float("nan"))
             recomputed = sum(len(s["recompute"]) for s in sol.stages)
             off = len(sol.variants_off) if sol.variants else "-"
             rows.append(
@@ -144,12 +164,15 @@ def main() -> None:
                     recomputations=recomputed,
                     predicted_overhead=sol.overhead,
                     time_ratio=ratio,
+                    ratio_low=low_r,
+                    ratio_high=high_r,
+                    pairs=len(pairs),
                 )
             )
             print(
                 f"{name:12s} {mode:>24s} {budget / MIB:9.1f} {sol.predicted_peak_bytes / MIB:9.1f}"
                 f" {measured / MIB:9.1f} {recomputed:6d} {off!s:>4s} {sol.overhead:+7.2%}"
-                f" {ratio:6.3f}",
+                f" {ratio:6.3f} {low_r:6.3f} {high_r:6.3f}",
                 flush=True,
             )
     df = pd.DataFrame(rows)

@@ -285,7 +285,11 @@ def merge_cbc_outcomes(
         message = outcomes[0].message
         return RawResult("error", None, None, bound, None, solve_time_s, "CBC", message)
     best = min(found, key=lambda r: r.objective)
-    proved = any(r.status == "optimal" for r in found)  # best is at most that one's
+    # best is at most a finished search's; or one search's schedule and another's bound
+    # together prove it (both stopped by the limit), as HiGHS's race does
+    proved = any(r.status == "optimal" for r in found) or within_tolerance(
+        f, best.objective / MS, None if bound is None else bound / MS, gap
+    )
     gap_value = relative_gap(best.objective, bound)
     if proved and gap_value is None:
         gap_value = tolerance_gap(f, best.objective, gap)
