@@ -141,12 +141,13 @@ def main() -> None:
             measured = measure_allocator(
                 lambda w=wrapped, x=x: training_step(w, x), [*state_tensors(model), x]
             )
-            pairs = []  # each replayed step over the eager step just before it
+            steps = []  # (eager, replayed) seconds, interleaved
             for k in range(args.iterations + 1):
                 eager_s = step_time(model, x, model)
                 replay_s = step_time(wrapped, x, model)
                 if k:  # the first pair warms up
-                    pairs.append(replay_s / eager_s)
+                    steps.append((eager_s, replay_s))
+            pairs = [r / e for e, r in steps]  # each replayed step over the eager one before it
             ratio = statistics.median(pairs)
             interval = median_interval(pairs)
             low_r, high_r = interval if interval else (float("nan"), float("nan"))
@@ -164,6 +165,8 @@ def main() -> None:
                     recomputations=recomputed,
                     predicted_overhead=sol.overhead,
                     time_ratio=ratio,
+                    ratio_of_medians=statistics.median(r for _, r in steps)
+                    / statistics.median(e for e, _ in steps),
                     ratio_low=low_r,
                     ratio_high=high_r,
                     pairs=len(pairs),

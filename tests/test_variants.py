@@ -456,8 +456,8 @@ def _replays_like_eager_with_its_algorithms(
     same step as eager PyTorch running the same algorithms, bit for bit (outputs,
     gradients, buffers); eager's own output within rounding (the gradients can move
     further, see monet_like.variants.conv.eager_with_algorithms); the allocator's peak
-    within 1% of the prediction (`exact_peak` False: at most 1% above it). Returns the
-    wrapped model the replay ran."""
+    at most the prediction, and within 1% of it (`exact_peak` False: at most). Returns
+    the wrapped model the replay ran."""
     eager, replayed, wrapped, x, out_e, out_r = eager_and_replayed(model, path, shape, batch)
     same = eager_with_algorithms(model, graph, sol.algorithms)
     torch.manual_seed(1)
@@ -473,10 +473,11 @@ def _replays_like_eager_with_its_algorithms(
     allocator = measure_allocator(
         lambda w=wrapped, x=x: training_step(w, x), [*state_tensors(replayed), x]
     )
+    # never above the prediction (the budget's promise); where exact, within 1% under it
+    # (one conv block's replay measured 8 bytes under it)
+    assert allocator <= sol.predicted_peak_bytes
     if exact_peak:
-        assert allocator == pytest.approx(sol.predicted_peak_bytes, rel=0.01)
-    else:
-        assert allocator <= sol.predicted_peak_bytes * 1.01
+        assert allocator >= 0.99 * sol.predicted_peak_bytes
     return wrapped
 
 
