@@ -1,15 +1,17 @@
 """How far a CPU profile's times are from a real step at the solved batch.
 
     python scripts/bench_time_fit.py [--model "torchvision.models.resnet50()"]
-        [--batch 184] [--budgets 10,9,8,7,6,5] [--solver HIGHS] [--repeats 1]
+        [--batch 184] [--budgets 10,9,8,7,6,5] [--solver HIGHS] [--repeats 1] [--whole]
 
 On CPU a profile is taken at batch 4 (and 8), and its times at the solved batch come
-from each distinct op run alone there (`profile`'s default), or, where too few ops can
-run alone, from a fit a + b * batch of timed runs at batches 4 and 8. This script takes
-both profiles side by side (the cache neither read nor written; the fit forced for the
-second), then runs the captured step at the solved batch for real, op by op (one
-warm-up run, then `--repeats` timed; the step must fit in the memory available), and
-prints the step's times by phase and op class. Then it solves each budget (normal
+from each distinct op run alone there (`profile`'s default; at a quarter of a large
+batch and scaled but for the convolutions), or, where too few ops can run alone, from a
+fit a + b * batch of timed runs at batches 4 and 8. This script takes both profiles side
+by side (the cache neither read nor written; the fit forced for the second; with
+`--whole`, a third between them with every op alone at the batch itself), then runs
+the captured step at the solved batch for real, op by op (one warm-up run, then
+`--repeats` timed; the step must fit in the memory available), and prints the step's
+times by phase and op class. Then it solves each budget (normal
 mode, compact formulation) on each profile and on the real times, and prices each
 schedule with the real step's times: the profile's predicted overhead, what its
 schedule costs on the real times, and the best schedule on the real times (the
@@ -73,6 +75,11 @@ def main(argv=None) -> int:
     ap.add_argument("--solver", default="HIGHS")
     ap.add_argument("--time_limit", type=float, default=300)
     ap.add_argument("--repeats", type=int, default=1, help="timed real steps (median)")
+    ap.add_argument(
+        "--whole",
+        action="store_true",
+        help="also a profile with every op alone at the batch (none at a quarter of it)",
+    )
     args = ap.parse_args(argv)
     shape = tuple(int(v) for v in args.input_shape.split(","))
     torch.manual_seed(0)
@@ -85,9 +92,17 @@ def main(argv=None) -> int:
             f"{available / GIB:.1f} GiB is available: try a smaller --batch"
         )
     profiles = {}
-    for method, coverage in (("alone", profile_module.ALONE_COVERAGE), ("fit", 1.01)):
+    least = profile_module.workspace.ALONE_REDUCED_LEAST
+    methods = [("alone", profile_module.ALONE_COVERAGE, least)]
+    if args.whole:  # every op alone at the batch itself, none at a quarter of it
+        methods.append(("whole", profile_module.ALONE_COVERAGE, args.batch + 1))
+    methods.append(("fit", 1.01, least))
+    for method, coverage, least in methods:
         started = time.perf_counter()
-        with mock.patch.object(profile_module, "ALONE_COVERAGE", coverage):
+        with (
+            mock.patch.object(profile_module, "ALONE_COVERAGE", coverage),
+            mock.patch.object(profile_module.workspace, "ALONE_REDUCED_LEAST", least),
+        ):
             profiles[method] = profile(model, graph, repeats=3, use_cache=False, progress=False)
         print(
             f"{method}: profiled in {time.perf_counter() - started:.1f} s;"

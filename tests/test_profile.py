@@ -453,9 +453,9 @@ def _ops_run_alone(monkeypatch, name) -> list:
     runs = []
     real_alone = workspace_module._workspace_alone
 
-    def counted(node, device, gen, arena=None):
+    def counted(node, device, gen, arena=None, at=None):
         runs.append(name(node))
-        return real_alone(node, device, gen, arena)
+        return real_alone(node, device, gen, arena, at)
 
     monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
     return runs
@@ -481,6 +481,43 @@ def test_a_fresh_profile_runs_its_ops_alone_afresh_and_shared_captures_share_the
             captures=captures,
         )  # fmt: skip
         assert calls == (once if k == 0 else [])
+
+
+def test_at_a_large_batch_ops_but_convolutions_run_alone_at_a_quarter_of_it(monkeypatch):
+    """Where the step does not fit and the batch is large, the ops whose scratch no
+    library sizes by shape run alone at a quarter of the batch (their time scaled, their
+    workspace the line through the profile's batch and that one); the convolutions at
+    the batch itself. Every op's workspace comes out as a profile taken at the batch
+    itself measures it, and the profile says which ran where."""
+    from monet_like import profile as profile_module
+    from monet_like.profile import workspace as workspace_module
+
+    monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: False)
+    ran: list[tuple[str, int]] = []
+    real_alone = workspace_module._workspace_alone
+
+    def recorded(node, device, gen, arena=None, at=None):
+        ran.append((str(node.target), 64 if at is None else at.batch))
+        return real_alone(node, device, gen, arena, at)
+
+    monkeypatch.setattr(workspace_module, "_workspace_alone", recorded)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )  # fmt: skip
+    graph = capture(model, (8, 16, 16), 64)
+    quarter = profile(model, graph, profile_batch=4, repeats=1, use_cache=False, progress=False)
+    monkeypatch.undo()
+    direct = profile(model, graph, profile_batch=64, repeats=1, use_cache=False, progress=False)
+    at_16 = [target for target, batch in ran if batch == 16]
+    assert len(at_16) >= 4 and not any("conv" in target for target in at_16)
+    assert all(batch == 64 for target, batch in ran if "convolution" in target)
+    real, got = dict(direct.op_workspace), dict(quarter.op_workspace)
+    computing = [op.index for op in graph.ops if op.role != "view"]
+    assert {i: got.get(i, 0) for i in computing} == {i: real.get(i, 0) for i in computing}
+    assert "(no convolution) at batch 16, their times scaled" in quarter.workspace_method
 
 
 def test_times_at_the_solved_batch_come_from_the_ops_run_alone_there(monkeypatch):
@@ -789,9 +826,10 @@ def test_convolution_algorithms_measured_on_the_graphs_layouts():
 
 def test_batch_chunk_options_workspace_fitted_from_batches_smaller_than_the_chunks(monkeypatch):
     """conv mode: 8 batch chunks (-8) fitted from batches 2 and 4 ran one sample per
-    chunk there; at the solved batch a chunk holds 4. Their fitted workspace follows
-    PyTorch's algorithm at the chunk's batch plus one chunk's result, and agrees with
-    the figure measured at the solved batch (it was the one-sample figure: a quarter)."""
+    chunk there; at the solved batch a chunk holds 4. The batch chunks' fitted workspace
+    (2 and 8 chunks: not run at the second batch) follows PyTorch's algorithm at the
+    chunk's batch plus one chunk's result, and agrees with the figure measured at the
+    solved batch (8 chunks' own line had given the one-sample figure: a quarter)."""
     from monet_like import profile as profile_module
     from monet_like.variants import apply
 
@@ -813,8 +851,9 @@ def test_batch_chunk_options_workspace_fitted_from_batches_smaller_than_the_chun
                 continue
             at_batch = dict((a, ws) for a, _, ws in directions[direction])
             got = dict((a, ws) for a, _, ws in fitted[site][direction])
-            assert at_batch[-8] > 0
-            assert got[-8] == pytest.approx(at_batch[-8], rel=0.1), (site, direction)
+            for chunks in (-2, -8):
+                assert at_batch[chunks] > 0
+                assert got[chunks] == pytest.approx(at_batch[chunks], rel=0.1), (site, direction)
 
 
 def test_pytorchs_convolution_algorithm_takes_the_steps_workspace_at_the_solved_batch(
@@ -823,7 +862,8 @@ def test_pytorchs_convolution_algorithm_takes_the_steps_workspace_at_the_solved_
     """conv mode: where the step ran at the solved batch, PyTorch's own algorithm (-1)
     takes the step's measured workspace, forward and backward, even when the options'
     own figures are fitted from small batches (here made wrong on purpose); the other
-    algorithms keep theirs. The store-all prediction and the options agree."""
+    algorithms keep theirs (im2col's, in proportion to the batch, as measured there). The
+    store-all prediction and the options agree."""
     from monet_like import profile as profile_module
     from monet_like.profile import algorithm_workspace, backward_option, option
     from monet_like.variants import algorithm_sites, apply
@@ -844,8 +884,10 @@ def test_pytorchs_convolution_algorithm_takes_the_steps_workspace_at_the_solved_
         forward, backward = op_index[site["forward"][0]], op_index[site["backward"]]
         assert option(options["forward"], -1)[1] == step.get(forward, 0)
         assert backward_option(options, -1, -1)[1] == step.get(backward, 0)
-        # im2col keeps its own (fitted, inflated) figure
-        assert option(options["forward"], 0)[1] >= 2**20
+        # im2col keeps its own figure, in proportion to the batch: as measured there
+        for direction in ("forward", "data", "weight") & options.keys():
+            measured_there = option(direct.algorithms[site["id"]][direction], 0)[1]
+            assert option(options[direction], 0)[1] == measured_there
     assert dict(p.op_workspace) == {
         **{i: w for i, w in step.items() if w > 0},
         **{i: w for i, w in algorithm_workspace(graph, p.algorithms, {}).items() if w > 0},

@@ -12,7 +12,9 @@ for (`scaled`, `profile_batch`). Workspace is not linear in the batch (a library
 its blocking by shape), so on CPU it is measured in one run at the solved batch when
 that run fits in half the available memory. Then each distinct op is run alone at the
 solved batch on random inputs: timed there (its time in the profile), and, where the
-step does not fit, its workspace measured there; an op that cannot run alone (integer
+step does not fit, its workspace measured there (at a quarter of a large solved batch
+for an op other than a convolution: `workspace.reduced_batch`, its time scaled and its
+workspace the line through the two batches); an op that cannot run alone (integer
 inputs) and has workspace at the profile's batch that grows with it is measured at a
 second batch too and fitted as a + b * batch. A view keeps its time at the profile's
 batch, and an op that cannot run alone takes it scaled linearly; where those are too
@@ -68,6 +70,7 @@ from monet_like.profile.types import (
 )
 from monet_like.profile.workspace import (
     AloneRuns,
+    _alone_ops,
     _extrapolate,
     _extrapolate_float,
     _fits_in_memory,
@@ -207,10 +210,12 @@ def profile(
         `captures`, `graph`'s returned (`own` where there is no `beside`)."""
         if not beside_too:
             return own
-        stages.expect(f"{BESIDE} timed runs at batch {batch}", (repeats + 1) * run_s)
+        stages.expect(f"{BESIDE} timed runs at batch {batch}", repeats * run_s)
         found: list[float] = []
+        # No warm-up: `graph`'s runs just set up the kernels the two share (oneDNN's
+        # convolutions); `beside`'s own ops are PyTorch's, with nothing to set up.
         theirs, beside_runs, beside_run_s = run_timed(
-            _graph_at(model, beside, batch, device, captures), spread=found
+            _graph_at(model, beside, batch, device, captures), False, found
         )
         if own_runs and beside_runs:
             own, theirs = _pooled_medians(own_runs, beside_runs, shared)
@@ -288,11 +293,19 @@ def profile(
                     if not fits:
                         workspace = [w * graph.batch // profile_batch for w in workspace]
                     alone, too_large = _remeasure_alone(
-                        graph, device, workspace, stages.tick, alone_s, not fits, alone_done
+                        graph,
+                        device,
+                        workspace,
+                        stages.tick,
+                        alone_s,
+                        not fits,
+                        alone_done,
+                        small,
+                        small_workspace,
                     )
                     if not fits:
                         at_batch = set(alone)
-                        method += f"; {len(at_batch)} ops measured alone at batch {graph.batch}"
+                        method += _alone_line(graph, device, alone, alone_done, profile_batch)
                         if too_large:
                             names = ", ".join(too_large)
                             method += f"; left as fitted, too large for the memory free: {names}"
@@ -303,6 +316,9 @@ def profile(
                     )
                     if from_alone is not None:
                         times, time_method = from_alone
+                        count, at = _reduced_ops(graph, device, alone, alone_done)
+                        if count:
+                            time_method += f" ({count} of those alone at batch {at}, scaled)"
                 if not fits:
                     workspace, fitted = _fit_the_rest(
                         small_workspace, workspace, at_batch, _batch_free(small, graph)
@@ -363,7 +379,7 @@ def profile(
             at_solved = [t * scale for t in times]
             _expect_later(stages, graph, device, profile_batch, at_solved, None, True)
             algorithms = _algorithm_options(
-                graph, device, profile_batch, repeats, progress, stages.tick
+                graph, device, profile_batch, repeats, progress, stages.tick, at_batch
             )
             stages.done("convolution algorithms")
             _one_workspace_figure(graph, algorithms, workspace, at_batch)
@@ -413,6 +429,34 @@ def _expect_stages(
         stages.expect(
             f"workspace at batch {graph.batch}", WORKSPACE_RUN * run_s * graph.batch / profile_batch
         )
+
+
+def _alone_line(
+    graph: Graph, device: torch.device, alone: list[int], runs: AloneRuns, profile_batch: int
+) -> str:
+    """What the workspace method says of the ops measured alone (`alone`), those run at a
+    smaller batch (`runs.reduced`) apart."""
+    count, at = _reduced_ops(graph, device, alone, runs)
+    if not count:
+        return f"; {len(alone)} ops measured alone at batch {graph.batch}"
+    return (
+        f"; {len(alone)} ops measured alone, {len(alone) - count} at batch {graph.batch}"
+        f" and {count} (no convolution) at batch {at}, their times scaled and their"
+        f" workspace fitted a + b*batch from batches {profile_batch} and {at}"
+    )
+
+
+def _reduced_ops(
+    graph: Graph, device: torch.device, alone: list[int], runs: AloneRuns
+) -> tuple[int, str]:
+    """How many of the ops measured alone (`alone`) ran at a smaller batch, and which."""
+    measured = set(alone)
+    batches = [
+        runs.reduced[signature]
+        for op, _node, signature in _alone_ops(graph, device)
+        if op.index in measured and signature in runs.reduced
+    ]
+    return len(batches), ", ".join(str(b) for b in sorted(set(batches)))
 
 
 def _fit_the_rest(
@@ -473,7 +517,7 @@ def _expect_later(
     the convolution algorithms (where `conv_sites`), estimated from each op's time at the
     solved batch (`times`): first from the profile's batch scaled up, then as measured."""
     if alone is not None:
-        seconds = alone_seconds(graph, times, device, alone.workspace)
+        seconds = alone_seconds(graph, times, device, alone.workspace, profile_batch)
         stages.expect(f"ops alone at batch {graph.batch}", seconds)
     if conv_sites:
         stages.expect("convolution algorithms", algorithm_seconds(graph, times, profile_batch))

@@ -176,8 +176,9 @@ def _fit_chunked(
     batch: int,
 ) -> None:
     """Fitted workspace of the batch-chunk options (algorithm -k, see csrc/ops.cpp), set
-    in `fitted`: where a measured batch had fewer than k samples the call ran one per
-    sample there, and its line says nothing of a chunk of batch / k at the solved batch
+    in `fitted`, not from their own runs (not run at the second batch: 5 of 13 calls a
+    site): where a measured batch had fewer than k samples the call ran one per sample
+    there, and its line says nothing of a chunk of batch / k at the solved batch
     (VGG-16's first layers at 4 and 8 gave 0.03 GB for 8 chunks of 22). A chunk runs
     PyTorch's algorithm on batch / k samples, then its result is copied into the whole
     output: the -1 option's line at that batch, plus one chunk's result (the layer's
@@ -187,7 +188,7 @@ def _fit_chunked(
     result = {"forward": y_val, "data": x_val}
     for (direction, algo), i in rows.items():
         k = -algo
-        if algo > -2 or min(b1, b2) >= k or (direction, -1) not in rows:
+        if algo > -2 or (direction, -1) not in rows:
             continue
         whole = rows[(direction, -1)]
         rows_per_chunk = -(-batch // k)
@@ -207,6 +208,7 @@ def _algorithm_options(
     repeats: int,
     progress: bool | None = None,
     tick: Callable[[], None] | None = None,
+    measured_ops: set[int] | None = None,
 ) -> dict[str, dict[str, list[list]]]:
     """Every algorithm of every convolution site (variants.conv), run alone on random
     tensors of the site's shapes: [algorithm, seconds, workspace bytes] at the graph's
@@ -215,10 +217,15 @@ def _algorithm_options(
     then scaled linearly to it (only their ratios are used: problem.AlgorithmChoice).
     Workspace: measured at the graph's batch (in the timed round where the layer is timed
     there, else in a run of its own where ALGORITHM_WORKSPACE_FLOPS allows), else at the
-    timing batch and a second one, fitted as a + b * batch."""
+    timing batch and a second one, fitted as a + b * batch (but for the batch chunks,
+    `_fit_chunked`, im2col, in proportion to the batch, and PyTorch's whole backward where
+    its op is among `measured_ops`, the op indices whose workspace the step measured at
+    the solved batch)."""
     from monet_like.variants import algorithm_sites
 
     nodes = {n.name: n for n in graph.fx.graph.nodes}
+    op_index = {op.name: op.index for op in graph.ops}
+    im2col = 0 if device.type == "cpu" else None  # on CUDA, 0 is one of cuDNN's
     gen = torch.Generator(device="cpu").manual_seed(0)
     out: dict[str, dict[str, list[list]]] = {}
     sites = algorithm_sites(graph)
@@ -236,7 +243,11 @@ def _algorithm_options(
         calls = _site_calls(site, nodes, timed_at, device, gen)
         keys = [(d, a) for d, rows in calls.items() for a, _ in rows]
         flat = [c for rows in calls.values() for _, c in rows]
-        seconds, workspace = _timed_and_measured(flat, device, max(repeats, 3))
+        # Set up already: PyTorch's own at the profile's batch (the graph's timed runs ran
+        # its kernels at these shapes just before) and, on CPU, im2col (nothing to set up:
+        # its first call's workspace and time were its later calls' in ResNet-50's layers).
+        warm = [a == im2col or (a == -1 and timed_at == profile_batch) for _, a in keys]
+        seconds, workspace = _timed_and_measured(flat, device, max(repeats, 3), warm)
         if timed_at == graph.batch:
             pass  # measured where it is used (a fit through a smaller batch put chunks 4 kB under)
         elif _conv_flops(weight_shape, out_shape, graph.batch) <= ALGORITHM_WORKSPACE_FLOPS:
@@ -247,8 +258,22 @@ def _algorithm_options(
             second = profile_batch if timed_at != profile_batch else min(2 * timed_at, graph.batch)
             if second != timed_at:
                 others = _site_calls(site, nodes, second, device, gen)
-                other_ws = [_workspace_of(c, device) for rows in others.values() for _, c in rows]
+                # Not run there: the batch chunks (`_fit_chunked`); im2col, whose scratch is
+                # its columns and copies of its inputs, each a whole batch's (in proportion
+                # to it); and the whole backward where the step's own figure at the solved
+                # batch replaces it.
+                derived = {key for key in keys if key[1] <= -2 or key[1] == im2col}
+                if op_index.get(site["backward"]) in (measured_ops or ()):
+                    derived.add(("both", -1))
+                other_ws = [
+                    0 if (d, a) in derived else _workspace_of(c, device)
+                    for d, rows in others.items()
+                    for a, c in rows
+                ]
                 fitted = _extrapolate(workspace, timed_at, other_ws, second, graph.batch)
+                for i, (_, algo) in enumerate(keys):
+                    if algo == im2col:
+                        fitted[i] = workspace[i] * graph.batch // timed_at
                 _fit_chunked(keys, workspace, timed_at, other_ws, second, fitted, fwd, graph.batch)
                 workspace = fitted
         entry: dict[str, list[list]] = {}
@@ -261,28 +286,32 @@ def _algorithm_options(
 
 
 def _timed_and_measured(
-    calls: list[Callable[[], object]], device: torch.device, rounds: int
+    calls: list[Callable[[], object]],
+    device: torch.device,
+    rounds: int,
+    warm: list[bool] | None = None,
 ) -> tuple[list[float], list[int]]:
-    """Each call's seconds (`_fastest_interleaved`) and its workspace, recorded in the
-    first timed round: after the warm-up, whose allocations are the library's set-up, not
-    the call's workspace. A round of their own cost as much as a timed one (2.6 of
-    ResNet-50's 20 s); recording adds under a millisecond a call, to one round of the
-    least taken."""
+    """Each call's seconds (`_fastest_interleaved`; `warm`: the calls set up already, not
+    warmed up) and its workspace, recorded in the first timed round: after the warm-up,
+    whose allocations are the library's set-up, not the call's workspace. A round of
+    their own cost as much as a timed one (2.6 of ResNet-50's 20 s); recording adds under
+    a millisecond a call, to one round of the least taken."""
+    warm = warm or [False] * len(calls)
     workspace = [0] * len(calls)
     runs = [0] * len(calls)
 
     def counted(i: int, call: Callable[[], object]) -> Callable[[], None]:
         def run() -> None:
             runs[i] += 1
-            if runs[i] == 2:
+            if runs[i] == (1 if warm[i] else 2):
                 workspace[i] = _workspace_of(call, device)
             else:
                 call()
 
         return run
 
-    seconds = _fastest_interleaved([counted(i, c) for i, c in enumerate(calls)], device, rounds)
-    return seconds, workspace
+    wrapped = [counted(i, c) for i, c in enumerate(calls)]
+    return _fastest_interleaved(wrapped, device, rounds, warm), workspace
 
 
 def _site_signature(site: dict, nodes: dict) -> tuple:

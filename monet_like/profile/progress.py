@@ -94,19 +94,28 @@ class Stages:
             self.bar.close()
 
 
-def alone_seconds(graph: Graph, times: list[float], device: torch.device, done=None) -> float:
+def alone_seconds(
+    graph: Graph,
+    times: list[float],
+    device: torch.device,
+    done=None,
+    profile_batch: int | None = None,
+) -> float:
     """Estimated seconds of `_remeasure_alone(graph, device, ...)`: each distinct op it
     will run (by `_op_signature`, not in `done`, the signatures measured already)
     ALONE_OVER_STEP times its estimated time in the step at the solved batch (`times`, per
-    op)."""
-    from monet_like.profile.workspace import _alone_ops
+    op), at the smaller batch `reduced_batch` gives where it allows one (from
+    `profile_batch`) and the op is not `_sized_by_shape`."""
+    from monet_like.profile.workspace import _alone_ops, _sized_by_shape, reduced_batch
 
     if device.type != "cpu" or graph.fx is None:
         return 0.0
+    reduced = None if profile_batch is None else reduced_batch(graph.batch, profile_batch)
     to_run: dict[tuple, float] = {}
-    for op, _node, signature in _alone_ops(graph, device):
+    for op, node, signature in _alone_ops(graph, device):
         if signature not in (done or {}):
-            to_run.setdefault(signature, times[op.index])
+            share = 1.0 if reduced is None or _sized_by_shape(node) else reduced / graph.batch
+            to_run.setdefault(signature, times[op.index] * share)
     return ALONE_OVER_STEP * sum(to_run.values())
 
 

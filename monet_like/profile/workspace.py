@@ -82,14 +82,18 @@ REMEASURE_MEMORY_SHARE = 0.8
 
 def _node_inputs(node) -> list:
     """The values (meta "val") of the fx nodes among `node`'s arguments."""
+    return [a.meta.get("val") for a in _input_nodes(node)]
+
+
+def _input_nodes(node) -> list:
+    """The fx nodes among `node`'s arguments, in order."""
     from torch.fx.node import Node, map_aggregate
 
-    values: list = []
+    found: list = []
     map_aggregate(
-        (node.args, node.kwargs),
-        lambda a: values.append(a.meta.get("val")) if isinstance(a, Node) else None,
+        (node.args, node.kwargs), lambda a: found.append(a) if isinstance(a, Node) else None
     )
-    return values
+    return found
 
 
 def _random_laid_out(
@@ -258,11 +262,16 @@ class _InputArena:
 
 
 def _workspace_alone(
-    node, device: torch.device, gen: torch.Generator, arena: _InputArena | None = None
+    node,
+    device: torch.device,
+    gen: torch.Generator,
+    arena: _InputArena | None = None,
+    at: BatchRows | None = None,
 ) -> tuple[int, float]:
     """Workspace of `node`'s op run once by itself on random inputs of its shapes (in
     `arena`, where given: the inputs are allocated before the op and not counted), and
-    the seconds the call took (its inputs' writing not counted)."""
+    the seconds the call took (its inputs' writing not counted). `at`: the inputs' and
+    outputs' first dimensions at a smaller batch to run it at instead."""
     from torch.fx.node import Node, map_aggregate
 
     if arena is not None:
@@ -271,7 +280,8 @@ def _workspace_alone(
     def real(a):  # laid out as in the graph, broadcast (stride 0) values included
         if not isinstance(a, Node):
             return a
-        return _random_laid_out(a.meta["val"], None, gen, device, arena)
+        rows = None if at is None else at.inputs.get(a.name)
+        return _random_laid_out(a.meta["val"], rows, gen, device, arena)
 
     args, kwargs = map_aggregate((node.args, node.kwargs), real)
     seconds, shapes = [], []
@@ -286,7 +296,7 @@ def _workspace_alone(
     if arena is not None and _writes_inputs(node):
         arena.written()
     workspace = _workspace_of(call, device)
-    if shapes[0] != _shapes(node.meta.get("val")):
+    if shapes[0] != (_shapes(node.meta.get("val")) if at is None else at.outputs):
         # a result shaped by the values (a random mask selecting): not the graph's op
         raise RuntimeError(f"{node.target} alone returned other shapes than in the graph")
     if seconds[0] < ALONE_REPEAT_BELOW:
@@ -295,6 +305,89 @@ def _workspace_alone(
             call()  # its result is dropped before the next call
         return workspace, statistics.median(seconds)
     return workspace, seconds[0]
+
+
+# Where the solved batch is large, an op whose scratch no library sizes by shape is run
+# alone at an ALONE_REDUCTION-th of it (when that is at least ALONE_REDUCED_LEAST samples,
+# each input far beyond the caches) and its time scaled: ResNet-50's (184) ops other than
+# convolutions took 4.08 s at 46 so scaled against 4.17 s at 184, in a quarter of the time.
+# Its workspace is the line through the profile's batch and that one.
+ALONE_REDUCTION = 4
+ALONE_REDUCED_LEAST = 16
+
+
+def reduced_batch(batch: int, profile_batch: int) -> int | None:
+    """The smaller batch the ops `_sized_by_shape` leaves out are run alone at, if any."""
+    reduced = batch // ALONE_REDUCTION
+    return reduced if reduced >= max(ALONE_REDUCED_LEAST, 2 * profile_batch) else None
+
+
+def _sized_by_shape(node) -> bool:
+    """Whether `node`'s op calls a library that picks its algorithm, and with it its
+    scratch, by the shapes (convolutions: oneDNN, cuDNN), so that its workspace is
+    measured where it is used: ResNet-50's (184) last convolution's weight gradient alone
+    took 7.5 MB of scratch at batch 184, 148 MB at 46."""
+    name = str(node.target)
+    return any(word in name for word in ("conv", "mkldnn", "cudnn"))
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """An op's run at a smaller `batch`: the first dimension there of each input that
+    carries the batch (by fx node name), and its outputs' shapes and dtypes (`_shapes`)."""
+
+    batch: int
+    inputs: dict[str, int]
+    outputs: list
+
+
+def _batch_rows(node, small_node, batch: int, small_batch: int, reduced: int) -> BatchRows | None:
+    """`node`'s op (in the graph at `batch`) run at `reduced`, read from its counterpart
+    in the graph at `small_batch` (`small_node`): a value whose first dimension differs
+    between the two carries the batch there, in proportion. None where another dimension
+    differs, where the arguments other than tensors differ (a size that spells the batch),
+    where a size is not in proportion, or where no input carries the batch."""
+    from torch.fx.node import Node, map_aggregate
+
+    def others(n) -> str:
+        return repr(map_aggregate((n.args, n.kwargs), lambda a: None if isinstance(a, Node) else a))
+
+    if small_node is None or others(node) != others(small_node):
+        return None
+
+    def rows(big, small) -> int | None:
+        """The first dimension at `reduced` (-1: not in proportion; None: no batch)."""
+        if not isinstance(big, torch.Tensor) or not isinstance(small, torch.Tensor):
+            return None if type(big) is type(small) else -1
+        if big.shape == small.shape:
+            return None
+        n = big.shape[0] if big.dim() else 0
+        if big.shape[1:] != small.shape[1:] or n * small_batch != small.shape[0] * batch:
+            return -1
+        return -1 if (n * reduced) % batch else n * reduced // batch
+
+    inputs: dict[str, int] = {}
+    for big, small in zip(_input_nodes(node), _input_nodes(small_node), strict=False):
+        found = rows(big.meta.get("val"), small.meta.get("val"))
+        if found == -1:
+            return None
+        if found is not None:
+            inputs[big.name] = found
+    leaves = torch.utils._pytree.tree_leaves
+    outputs = []
+    big_out, small_out = leaves(node.meta.get("val")), leaves(small_node.meta.get("val"))
+    if len(big_out) != len(small_out) or not inputs:
+        return None
+    for big, small in zip(big_out, small_out, strict=True):
+        found = rows(big, small)
+        if found == -1:
+            return None
+        if isinstance(big, torch.Tensor):
+            shape = tuple(big.shape) if found is None else (found, *big.shape[1:])
+            outputs.append((shape, big.dtype))
+        else:
+            outputs.append(None)
+    return BatchRows(reduced, inputs, outputs)
 
 
 def _writes_inputs(node) -> bool:
@@ -321,6 +414,7 @@ class AloneRuns:
     # None: it failed on random inputs
     workspace: dict[tuple, int | None] = field(default_factory=dict)
     seconds: dict[tuple, float] = field(default_factory=dict)  # the same runs' seconds
+    reduced: dict[tuple, int] = field(default_factory=dict)  # those run at a smaller batch
 
 
 def alone_runs_of(captures: dict | None) -> AloneRuns:
@@ -384,6 +478,8 @@ def _remeasure_alone(
     seconds: dict[int, float] | None = None,
     workspace_too: bool = True,
     runs: AloneRuns | None = None,
+    small: Graph | None = None,
+    small_workspace: list[int] | None = None,
 ) -> tuple[list[int], list[str]]:
     """Run each op that computes or writes in place alone at `graph`'s batch, on random
     inputs of its shapes (ops alike, by `_op_signature`, once in `runs`): its
@@ -392,31 +488,48 @@ def _remeasure_alone(
     was when an input is not a tensor of floats or booleans (random indices could be
     invalid), when its inputs, outputs and `workspace` figure would take more than
     REMEASURE_MEMORY_SHARE of the memory free just before it, or when it fails on random
-    inputs or returns other shapes than in the graph. Returns the indices measured, and
-    the names of the ops left for lack of memory."""
+    inputs or returns other shapes than in the graph. Where `small` (the graph at the
+    profile's batch, each op's workspace there `small_workspace`) is given and
+    `reduced_batch` allows, an op not `_sized_by_shape` runs at that smaller batch
+    instead: its time scaled, its workspace the line through the two batches. Returns
+    the indices measured, and the names of the ops left for lack of memory."""
     if device.type != "cpu" or _available_memory_bytes() is None:
         return [], []
     gen = torch.Generator(device="cpu").manual_seed(0)
     arena = _InputArena(device)
     runs = AloneRuns() if runs is None else runs
+    reduced = None if small_workspace is None else reduced_batch(graph.batch, small.batch)
+    small_nodes = {} if reduced is None else {n.name: n for n in small.fx.graph.nodes}
     measured, too_large = [], []
     for op, node, signature in _alone_ops(graph, device):
         if tick is not None:
             tick()
         if signature not in runs.workspace:
+            at = None
+            if reduced is not None and not _sized_by_shape(node):
+                counterpart = small_nodes.get(small.ops[op.index].name)
+                at = _batch_rows(node, counterpart, graph.batch, small.batch, reduced)
+            share = 1.0 if at is None else at.batch / graph.batch
             touched = sum(graph.storages[i].nbytes for i in {*op.reads, *op.outputs})
             # Read per op: what other processes hold moves. Was half of what was free before
             # the first op, which left VGG-16's (176) largest backward (10.5 GiB with its
             # fitted scratch, on a 24 GB machine) fitted at twice its scratch in some runs.
             free = (_available_memory_bytes() or 0) + arena.buffer.numel()  # reused
-            if touched + workspace[op.index] > REMEASURE_MEMORY_SHARE * free:
+            if share * (touched + workspace[op.index]) > REMEASURE_MEMORY_SHARE * free:
                 too_large.append(op.name)
                 continue
             try:
-                found, runs.seconds[signature] = _workspace_alone(node, device, gen, arena)
-                runs.workspace[signature] = found
+                found, seconds_there = _workspace_alone(node, device, gen, arena, at)
             except (RuntimeError, NotImplementedError):
                 runs.workspace[signature] = None  # fails on random inputs: as fitted
+            else:
+                if at is not None:
+                    seconds_there *= graph.batch / at.batch
+                    (found,) = _extrapolate(
+                        [small_workspace[op.index]], small.batch, [found], at.batch, graph.batch
+                    )
+                    runs.reduced[signature] = at.batch
+                runs.workspace[signature], runs.seconds[signature] = found, seconds_there
         if runs.workspace[signature] is not None:
             if workspace_too:
                 workspace[op.index] = runs.workspace[signature]
