@@ -278,7 +278,7 @@ def test_ops_alike_are_measured_alone_once(monkeypatch):
         nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
     )
     graph = capture(model, (8, 16, 16), 4)
-    runs = _ops_run_alone(monkeypatch, lambda node: node.name)
+    runs = _ops_run_alone(monkeypatch, lambda node, _at: node.name)
     forwards = [op for op in graph.ops if op.target == "aten.convolution.default"]
     shared = workspace_module.AloneRuns()
     measured, _ = workspace_module._remeasure_alone(
@@ -396,7 +396,7 @@ def test_a_convolution_at_pytorchs_algorithm_is_measured_alone_once_for_both_gra
     first, _ = workspace_module._remeasure_alone(
         captured, torch.device("cpu"), [0] * len(captured.ops), runs=shared
     )
-    runs = _ops_run_alone(monkeypatch, lambda node: str(node.target))
+    runs = _ops_run_alone(monkeypatch, lambda node, _at: str(node.target))
     second, _ = workspace_module._remeasure_alone(
         graph, torch.device("cpu"), [0] * len(graph.ops), runs=shared
     )
@@ -447,14 +447,15 @@ def _profiled_at_2_for_16(monkeypatch, coverage: float):
 
 
 def _ops_run_alone(monkeypatch, name) -> list:
-    """The ops run alone from here on (`name(node)` each), in order."""
+    """The ops run alone from here on (`name(node, at)` each, `at` the smaller batch's
+    `BatchRows` where it ran at one), in order."""
     from monet_like.profile import workspace as workspace_module
 
     runs = []
     real_alone = workspace_module._workspace_alone
 
     def counted(node, device, gen, arena=None, at=None):
-        runs.append(name(node))
+        runs.append(name(node, at))
         return real_alone(node, device, gen, arena, at)
 
     monkeypatch.setattr(workspace_module, "_workspace_alone", counted)
@@ -466,7 +467,7 @@ def test_a_fresh_profile_runs_its_ops_alone_afresh_and_shared_captures_share_the
     (the solver's benchmark compares solves over such profiles); the graphs profiled with
     one `captures` (a mode's two graphs) run an op they share once."""
 
-    calls = _ops_run_alone(monkeypatch, lambda node: node.name)
+    calls = _ops_run_alone(monkeypatch, lambda node, _at: node.name)
     model, graph, first = _profiled_at_2_for_16(monkeypatch, coverage=0.9)
     once = list(calls)
     assert once and dict(first.alone_seconds)
@@ -490,17 +491,13 @@ def test_at_a_large_batch_ops_but_convolutions_run_alone_at_a_quarter_of_it(monk
     the batch itself. Every op's workspace comes out as a profile taken at the batch
     itself measures it, and the profile says which ran where."""
     from monet_like import profile as profile_module
-    from monet_like.profile import workspace as workspace_module
 
     monkeypatch.setattr(profile_module, "_fits_in_memory", lambda graph, device: False)
-    ran: list[tuple[str, int]] = []
-    real_alone = workspace_module._workspace_alone
-
-    def recorded(node, device, gen, arena=None, at=None):
-        ran.append((str(node.target), 64 if at is None else at.batch))
-        return real_alone(node, device, gen, arena, at)
-
-    monkeypatch.setattr(workspace_module, "_workspace_alone", recorded)
+    # times from the ops alone whatever their share of a tiny, noisy step
+    monkeypatch.setattr(profile_module, "ALONE_COVERAGE", 0.0)
+    ran = _ops_run_alone(
+        monkeypatch, lambda node, at: (str(node.target), 64 if at is None else at.batch)
+    )
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
@@ -518,6 +515,7 @@ def test_at_a_large_batch_ops_but_convolutions_run_alone_at_a_quarter_of_it(monk
     computing = [op.index for op in graph.ops if op.role != "view"]
     assert {i: got.get(i, 0) for i in computing} == {i: real.get(i, 0) for i in computing}
     assert "(no convolution) at batch 16, their times scaled" in quarter.workspace_method
+    assert "of the ops alone at batch 16, scaled" in quarter.time_method
 
 
 def test_times_at_the_solved_batch_come_from_the_ops_run_alone_there(monkeypatch):

@@ -303,9 +303,10 @@ def profile(
                         small,
                         small_workspace,
                     )
+                    reduced, reduced_at = _reduced_ops(graph, device, alone, alone_done)
                     if not fits:
                         at_batch = set(alone)
-                        method += _alone_line(graph, device, alone, alone_done, profile_batch)
+                        method += _alone_line(graph, alone, reduced, reduced_at, profile_batch)
                         if too_large:
                             names = ", ".join(too_large)
                             method += f"; left as fitted, too large for the memory free: {names}"
@@ -316,9 +317,10 @@ def profile(
                     )
                     if from_alone is not None:
                         times, time_method = from_alone
-                        count, at = _reduced_ops(graph, device, alone, alone_done)
-                        if count:
-                            time_method += f" ({count} of those alone at batch {at}, scaled)"
+                        if reduced:
+                            time_method += (
+                                f"; {reduced} of the ops alone at batch {reduced_at}, scaled"
+                            )
                 if not fits:
                     workspace, fitted = _fit_the_rest(
                         small_workspace, workspace, at_batch, _batch_free(small, graph)
@@ -431,12 +433,9 @@ def _expect_stages(
         )
 
 
-def _alone_line(
-    graph: Graph, device: torch.device, alone: list[int], runs: AloneRuns, profile_batch: int
-) -> str:
-    """What the workspace method says of the ops measured alone (`alone`), those run at a
-    smaller batch (`runs.reduced`) apart."""
-    count, at = _reduced_ops(graph, device, alone, runs)
+def _alone_line(graph: Graph, alone: list[int], count: int, at: str, profile_batch: int) -> str:
+    """What the workspace method says of the ops measured alone (`alone`), the `count` of
+    them run at the smaller batch(es) `at` (`_reduced_ops`) apart."""
     if not count:
         return f"; {len(alone)} ops measured alone at batch {graph.batch}"
     return (

@@ -366,18 +366,21 @@ def _batch_rows(node, small_node, batch: int, small_batch: int, reduced: int) ->
             return -1
         return -1 if (n * reduced) % batch else n * reduced // batch
 
+    leaves = torch.utils._pytree.tree_leaves
+    big_in, small_in = _input_nodes(node), _input_nodes(small_node)
+    big_out, small_out = leaves(node.meta.get("val")), leaves(small_node.meta.get("val"))
+    if len(big_in) != len(small_in) or len(big_out) != len(small_out):
+        return None
     inputs: dict[str, int] = {}
-    for big, small in zip(_input_nodes(node), _input_nodes(small_node), strict=False):
+    for big, small in zip(big_in, small_in, strict=True):
         found = rows(big.meta.get("val"), small.meta.get("val"))
         if found == -1:
             return None
         if found is not None:
             inputs[big.name] = found
-    leaves = torch.utils._pytree.tree_leaves
-    outputs = []
-    big_out, small_out = leaves(node.meta.get("val")), leaves(small_node.meta.get("val"))
-    if len(big_out) != len(small_out) or not inputs:
+    if not inputs:
         return None
+    outputs = []
     for big, small in zip(big_out, small_out, strict=True):
         found = rows(big, small)
         if found == -1:
