@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -679,10 +678,14 @@ def test_fake_batch_norm_inplace_stats_dtype(ops, dtype):
 # --------------------------------------------------------------------------- loader
 
 
-def test_second_load_is_instant_and_ops_work(ops):
-    start = time.perf_counter()
+def test_second_load_is_instant_and_ops_work(ops, monkeypatch):
+    def no_second_build(*_):  # a second load finds the ops loaded: nothing built or read
+        raise AssertionError("a second load() built or loaded the ops again")
+
+    monkeypatch.setattr(kernels, "_load_extension", no_second_build)
+    monkeypatch.setattr(kernels, "_jit_build", no_second_build)
+    monkeypatch.setattr(kernels, "_ops_registered", no_second_build)
     kernels.load()
-    assert time.perf_counter() - start < 0.01
     assert kernels.available()
     assert kernels.origin() in ("extension", "jit", "preloaded")
     assert all(hasattr(ops, name) for name in kernels.OPS)
