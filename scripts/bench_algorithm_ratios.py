@@ -27,6 +27,7 @@ import sys
 
 import torch
 
+from monet_like.models import parse_model
 from monet_like.pipeline import capture_graphs
 from monet_like.profile import algorithms
 from monet_like.profile.algorithms import _site_calls, _site_signature, _timing_batch
@@ -34,6 +35,7 @@ from monet_like.profile.timing import _fastest_interleaved
 from monet_like.variants import algorithm_sites
 
 NAMES = {-1: "aten", 0: "im2col", -2: "2 chunks", -8: "8 chunks"}
+OPTIONS = ("im2col", "2 chunks", "8 chunks")  # the summary's rows, PyTorch's own left out
 
 
 def site_ratios(
@@ -47,20 +49,20 @@ def site_ratios(
     weight, out = fwd.args[1].meta["val"].shape, fwd.meta["val"].shape
     timed_at = _timing_batch(weight, out, batch, profile_batch)
     keys, calls = [], []
-    for rows in sorted({timed_at, batch}):  # once where the layer is timed at the batch
-        for direction, options in _site_calls(site, nodes, rows, cpu, gen).items():
+    for at in sorted({timed_at, batch}):  # once where the layer is timed at the batch
+        for direction, options in _site_calls(site, nodes, at, cpu, gen).items():
             for algo, call in options:
-                keys.append((rows, direction, algo))
+                keys.append((at, direction, algo))
                 calls.append(call)
     seconds = dict(zip(keys, _fastest_interleaved(calls, cpu, rounds), strict=True))
-    for (rows, _, _), t in seconds.items():
-        if rows == timed_at:
+    for (at, _, _), t in seconds.items():
+        if at == timed_at:
             cost["timing"] += t
-        if rows == batch:
+        if at == batch:
             cost["batch"] += t
     found = []
-    for rows, direction, algo in keys:
-        if rows != batch or algo == -1 or direction == "both":
+    for at, direction, algo in keys:
+        if at != batch or algo == -1 or direction == "both":
             continue
         at_timing = seconds[(timed_at, direction, algo)] / seconds[(timed_at, direction, -1)]
         at_batch = seconds[(batch, direction, algo)] / seconds[(batch, direction, -1)]
@@ -88,8 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timing_flops", type=float, default=algorithms.ALGORITHM_TIMING_FLOPS)
     args = ap.parse_args(argv)
     algorithms.ALGORITHM_TIMING_FLOPS = args.timing_flops  # read by _timing_batch at each call
-
-    from monet_like.models import parse_model
 
     torch.manual_seed(0)
     model = parse_model(args.model).build()
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             writer.writerows(rows)
     print()
     print(f"{'option':<9} {'rows':>5} {'median |error|':>15} {'priced >10% low':>16} {'worst':>7}")
-    for option in [*NAMES.values(), "all"][1:]:
+    for option in (*OPTIONS, "all"):
         mine = [r for r in rows if option in ("all", r["option"])]
         if not mine:
             continue
