@@ -732,10 +732,13 @@ def test_convolutions_alike_are_timed_once(monkeypatch):
     assert options[0].keys() != options[1].keys()  # no backward-data where no input gradient
 
 
-def test_convolution_algorithms_workspace_is_recorded_in_a_timed_round_not_the_warm_up():
-    """A convolution option's workspace is recorded while it is timed, in the first round
-    after the warm-up: a library's set-up on a first call (here 4 MiB of scratch) is not
-    the call's workspace (1 MiB), and no round of its own is run."""
+@pytest.mark.parametrize("warm", [False, True])
+def test_convolution_algorithms_workspace_is_recorded_on_a_call_of_its_own(warm):
+    """A convolution option's workspace is recorded on one call before its timed rounds,
+    not timed itself. A call not `warm` is first run once unrecorded: a library's set-up
+    on a first call (here 4 MiB of scratch) is not the call's workspace (1 MiB). A warm
+    one (every option on CPU) is recorded on its first call: a set-up there would be
+    counted, never missed."""
     from monet_like.profile.algorithms import _timed_and_measured
 
     runs = []
@@ -750,10 +753,11 @@ def test_convolution_algorithms_workspace_is_recorded_in_a_timed_round_not_the_w
         return run
 
     calls = [call("a", 4 << 20, 1 << 20), call("b", 8 << 20, 2 << 20)]
-    seconds, workspace = _timed_and_measured(calls, torch.device("cpu"), rounds=3)
-    assert workspace == [1 << 20, 2 << 20]
+    seconds, workspace = _timed_and_measured(calls, torch.device("cpu"), 2, [warm, warm])
+    assert workspace == ([4 << 20, 8 << 20] if warm else [1 << 20, 2 << 20])
     assert len(seconds) == 2 and all(t > 0 for t in seconds)
-    assert len(runs) == 2 * (3 + 1)  # the warm-up and three timed rounds, nothing more
+    # the set-up call where not warm, the recorded one and two timed rounds, nothing more
+    assert len(runs) == 2 * (3 + (not warm))
 
 
 @pytest.mark.parametrize("timing_flops, workspace_flops", [(1e9, 1e10), (1, 1e10), (1, 1)])

@@ -82,6 +82,18 @@ def algorithm_workspace(
     return workspace
 
 
+def _steps_own(directions, forward_op: int, backward_op: int | None) -> list[tuple[str, int]]:
+    """(direction, op index) of the options among `directions` whose PyTorch algorithm
+    (-1) is the step's own op: the forward, and the backward as the step runs it (both
+    parts in one call, or the one part its gradient mask asks for)."""
+    steps = [("forward", forward_op)]
+    if backward_op is not None:
+        parts = [d for d in ("both", "data", "weight") if d in directions]
+        if parts and (parts[0] == "both" or len(parts) == 1):
+            steps.append((parts[0], backward_op))
+    return steps
+
+
 def _aten_options_take(
     graph: Graph, measured: dict[str, dict[str, list[list]]], workspace: list[int], ops: set[int]
 ) -> None:
@@ -90,12 +102,7 @@ def _aten_options_take(
     the forward, and the backward as the step runs it (both parts in one call, or the
     one part its gradient mask asks for)."""
     for _, options, forward_op, backward_op in _measured_sites(graph, measured):
-        steps = [("forward", forward_op)]
-        if backward_op is not None:
-            parts = [d for d in ("both", "data", "weight") if d in options]
-            if parts and (parts[0] == "both" or len(parts) == 1):
-                steps.append((parts[0], backward_op))
-        for direction, i in steps:
+        for direction, i in _steps_own(options, forward_op, backward_op):
             if i in ops:
                 for row in options[direction]:
                     if row[0] == -1:
@@ -212,11 +219,12 @@ def _algorithm_options(
 ) -> dict[str, dict[str, list[list]]]:
     """Every algorithm of every convolution site (variants.conv), run alone on random
     tensors of the site's shapes: [algorithm, seconds, workspace bytes] at the graph's
-    batch. Times: the algorithms of a site run in turn, `repeats` rounds (at least 3),
-    at the graph's batch or the largest below it that ALGORITHM_TIMING_FLOPS allows,
-    then scaled linearly to it (only their ratios are used: problem.AlgorithmChoice).
-    Workspace: measured at the graph's batch (in the timed round where the layer is timed
-    there, else in a run of its own where ALGORITHM_WORKSPACE_FLOPS allows), else at the
+    batch. Times: the algorithms of a site run in turn, `repeats` - 1 rounds (at least
+    2) after one call each that records its workspace (`_timed_and_measured`), at the
+    graph's batch or the largest below it that ALGORITHM_TIMING_FLOPS allows, then
+    scaled linearly to it (only their ratios are used: problem.AlgorithmChoice).
+    Workspace: measured at the graph's batch (in that recorded call where the layer is
+    timed there, else in a run of its own where ALGORITHM_WORKSPACE_FLOPS allows), else at the
     timing batch and a second one, fitted as a + b * batch (but for the batch chunks,
     `_fit_chunked`, im2col, in proportion to the batch, and PyTorch's whole backward where
     its op is among `measured_ops`, the op indices whose workspace the step measured at
@@ -243,17 +251,29 @@ def _algorithm_options(
         calls = _site_calls(site, nodes, timed_at, device, gen)
         keys = [(d, a) for d, rows in calls.items() for a, _ in rows]
         flat = [c for rows in calls.values() for _, c in rows]
-        # Set up already: PyTorch's own at the profile's batch (the graph's timed runs ran
-        # its kernels at these shapes just before) and, on CPU, im2col (nothing to set up:
-        # its first call's workspace and time were its later calls' in ResNet-50's layers).
-        warm = [a == im2col or (a == -1 and timed_at == profile_batch) for _, a in keys]
-        seconds, workspace = _timed_and_measured(flat, device, max(repeats, 3), warm)
+        # Warmed up first only on CUDA (cuDNN and cuBLAS set up on first calls), but for
+        # PyTorch's own at the profile's batch, which the graph's timed runs just ran at
+        # these shapes. On CPU each option's first call allocates as its later ones do
+        # (all 1,393 options of ResNet-50, GoogLeNet, VGG-16 and MobileNetV2 alike), and a
+        # set-up counted would only overstate the workspace.
+        warm = [device.type == "cpu" or (a == -1 and timed_at == profile_batch) for _, a in keys]
+        seconds, workspace = _timed_and_measured(flat, device, max(repeats - 1, 2), warm)
         if timed_at == graph.batch:
             pass  # measured where it is used (a fit through a smaller batch put chunks 4 kB under)
         elif _conv_flops(weight_shape, out_shape, graph.batch) <= ALGORITHM_WORKSPACE_FLOPS:
-            # measured where it is used: workspace is not linear in the batch
+            # Measured where it is used (workspace is not linear in the batch), but for
+            # im2col (in proportion to the batch, as below) and PyTorch's own where the
+            # step measured its op there (`_aten_options_take` takes that figure).
             at_batch = _site_calls(site, nodes, graph.batch, device, gen)
-            workspace = [_workspace_of(c, device) for rows in at_batch.values() for _, c in rows]
+            step_ops = _steps_own(at_batch, op_index[fwd.name], op_index.get(site["backward"]))
+            taken = {(d, -1) for d, i in step_ops if i in (measured_ops or ())}
+            there = [c for rows in at_batch.values() for _, c in rows]
+            workspace = [
+                ws * graph.batch // timed_at if key[1] == im2col
+                else 0 if key in taken
+                else _workspace_of(call, device)
+                for key, ws, call in zip(keys, workspace, there, strict=True)
+            ]  # fmt: skip
         else:
             second = profile_batch if timed_at != profile_batch else min(2 * timed_at, graph.batch)
             if second != timed_at:
@@ -291,27 +311,18 @@ def _timed_and_measured(
     rounds: int,
     warm: list[bool] | None = None,
 ) -> tuple[list[float], list[int]]:
-    """Each call's seconds (`_fastest_interleaved`; `warm`: the calls set up already, not
-    warmed up) and its workspace, recorded in the first timed round: after the warm-up,
-    whose allocations are the library's set-up, not the call's workspace. A round of
-    their own cost as much as a timed one (2.6 of ResNet-50's 20 s); recording adds under
-    a millisecond a call, to one round of the least taken."""
+    """Each call's seconds, the least of `rounds` interleaved rounds
+    (`_fastest_interleaved`), and its workspace, recorded on one call before them; the
+    calls not `warm` are first run once more, unrecorded, so that a library's set-up on
+    a first call is not taken for the call's workspace. The recorded call is not timed:
+    recording made ResNet-50's options a third slower (median over 294), where a plain
+    call's first timed round after it was 9% over their least of six."""
     warm = warm or [False] * len(calls)
-    workspace = [0] * len(calls)
-    runs = [0] * len(calls)
-
-    def counted(i: int, call: Callable[[], object]) -> Callable[[], None]:
-        def run() -> None:
-            runs[i] += 1
-            if runs[i] == (1 if warm[i] else 2):
-                workspace[i] = _workspace_of(call, device)
-            else:
-                call()
-
-        return run
-
-    wrapped = [counted(i, c) for i, c in enumerate(calls)]
-    return _fastest_interleaved(wrapped, device, rounds, warm), workspace
+    for call, ready in zip(calls, warm, strict=True):
+        if not ready:
+            call()
+    workspace = [_workspace_of(call, device) for call in calls]
+    return _fastest_interleaved(calls, device, rounds, [True] * len(calls)), workspace
 
 
 def _site_signature(site: dict, nodes: dict) -> tuple:

@@ -25,11 +25,11 @@ WORKSPACE_RUN = 1.0
 # ops, 45.9 s alone where their scaled times were 31.0 s.
 ALONE_OVER_STEP = 1.5
 # A convolution site's algorithms timed and measured (each algorithm of each direction,
-# over rounds, and their workspace at a second batch) over the site's forward and
-# backward in the step, at the batch they are timed at: 52 in ResNet-50's (184), 22 in
-# ResNet-18's (32, 64 px) with a round of its own for the workspace at the timing batch,
-# five rounds where there were six since it is recorded in a timed one.
-ALGORITHM_CALLS = 33.0
+# a recorded call and two timed rounds, and their workspace at a second batch) over the
+# site's forward and backward in the step, at the batch they are timed at: 13.7 in
+# ResNet-50's (184) profile, 31 in ResNet-18's (32, 64 px) and 29 in GoogLeNet's (32,
+# 112 px), whose layers are timed at the batch itself. Between them: an estimate.
+ALGORITHM_CALLS = 20.0
 
 
 class Stages:
