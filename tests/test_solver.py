@@ -35,7 +35,7 @@ from monet_like.solver import (
     min_feasible_budget,
     solve,
 )
-from monet_like.solver.backends import RawResult, abs_gap_ms, within_tolerance
+from monet_like.solver.backends import RawResult, abs_gap_ms, slack_ms, within_tolerance
 from monet_like.solver.backends.cbc import (
     _cbc_bound_before_restart,
     _cbc_matrix,
@@ -1027,7 +1027,7 @@ def test_raced_searches_agree_with_one_search_and_keep_a_bound_that_holds(resnet
     # before the restart is all its log proves, so a finished search may say "feasible".
     proved = ("optimal", "feasible") if solver == "PULP" else ("optimal",)
     assert alone.status in proved and raced.status in proved, (alone, raced)
-    assert raced.objective == pytest.approx(alone.objective, rel=2e-3)  # both within 0.1%
+    assert _within_one_tolerance(f, raced.objective, alone.objective)
     for result, other in ((raced, alone), (alone, raced)):
         if solver != "CBC":  # HiGHS and PuLP's log always give one; cylp's CBC may not
             assert result.bound is not None
@@ -1037,6 +1037,15 @@ def test_raced_searches_agree_with_one_search_and_keep_a_bound_that_holds(resnet
         smallest = [solve_formulation(f, None, "HIGHS", 120, workers=w) for w in (1, 2)]
         peaks = [evaluate(f, r.x_bool)["peak_bytes"] for r in smallest]
         assert peaks[1] == pytest.approx(peaks[0], rel=2e-3)
+
+
+def _within_one_tolerance(f, a_s: float, b_s: float) -> bool:
+    """Whether two searches' recomputation (s) can both be within the solve's tolerance of
+    one optimum (`slack_ms`: 0.1% of the step, where the recomputation is smaller), so
+    that two proved schedules may differ by up to one tolerance (ResNet-18 here: 0.3 ms
+    of an 8 ms recomputation in a 0.7 s step, under load)."""
+    tolerance_ms = slack_ms(f, max(a_s, b_s) / MS, 1e-3)
+    return abs(a_s - b_s) / MS <= tolerance_ms * (1 + 1e-9)
 
 
 def test_a_shuffled_copy_solves_to_the_same_schedules(resnet18_problem):
@@ -1055,7 +1064,7 @@ def test_a_shuffled_copy_solves_to_the_same_schedules(resnet18_problem):
     x = shuffled.x_bool[np.argsort(order)]
     assert np.array_equal(x[pins[0]], pins[1])
     assert float(f.cost @ x) * MS == pytest.approx(shuffled.objective)
-    assert shuffled.objective == pytest.approx(alone.objective, rel=2e-3)
+    assert _within_one_tolerance(f, shuffled.objective, alone.objective)
     assert evaluate(f, x)["peak_bytes"] <= budget
 
 
