@@ -322,7 +322,7 @@ def _timed_and_measured(
         if not ready:
             call()
     workspace = [_workspace_of(call, device) for call in calls]
-    return _fastest_interleaved(calls, device, rounds, [True] * len(calls)), workspace
+    return _fastest_interleaved(calls, device, rounds, warm_up=False), workspace
 
 
 def _site_signature(site: dict, nodes: dict) -> tuple:

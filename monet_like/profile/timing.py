@@ -127,18 +127,16 @@ def _bar_hidden(progress: bool | None) -> bool | None:
 
 
 def _fastest_interleaved(
-    calls: list, device: torch.device, rounds: int, warm: list[bool] | None = None
+    calls: list, device: torch.device, rounds: int, warm_up: bool = True
 ) -> list[float]:
     """Seconds of each call: the least over `rounds` rounds that run every call once in
-    turn, after a warm-up round (for the calls not `warm` already). Interleaved, so a
-    busy spell of a shared machine falls on all of them alike; the least, because noise
-    only ever adds time."""
+    turn, after a warm-up round where `warm_up`. Interleaved, so a busy spell of a
+    shared machine falls on all of them alike; the least, because noise only ever adds
+    time."""
     cuda = device.type == "cuda"
     best = [float("inf")] * len(calls)
-    for r in range(rounds + 1):
+    for r in range(0 if warm_up else 1, rounds + 1):
         for i, call in enumerate(calls):
-            if r == 0 and warm is not None and warm[i]:
-                continue
             if cuda:
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
