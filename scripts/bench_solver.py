@@ -10,7 +10,7 @@ seconds). Writes a CSV and a PNG.
 
     python scripts/bench_solver.py [--models resnet50,googlenet,...] [--budgets 10,9,8,7,6,5]
         [--solvers HIGHS,CBC] [--mode normal] [--time_limit 600] [--formulation compact]
-        [--profiles 1] [--no_frees] [--out out/]
+        [--profiles 1] [--no_frees] [--out out/] [--saved_profiles DIR]
 
 With `--profiles N` (N > 1) each model is profiled N times afresh (the cache neither
 read nor written; each profile saved in `--out` as `profile_<model>_<mode>_<k>.json`,
@@ -19,7 +19,9 @@ profile: a table then gives, per
 budget and solver, the median and the worst solve time and gap over the profiles, and
 how many were proved (a solve's time and proof move with the profile's noise).
 `--no_frees` (as in `solve.py`) ends each solve at the compact formulation's search:
-its proof alone, without the frees' search after it.
+its proof alone, without the frees' search after it. `--saved_profiles DIR` solves on
+the profiles an earlier run saved there (`--profiles N` of them, same model and mode)
+instead of profiling: another solver, budget or limit on the same profiles.
 
 With a mode other than `normal` (e.g. `inplace_conv_multiway_newnode`, the full mode)
 the graph is rewritten with the mode's variants and profiled so, and the MILP of that
@@ -37,7 +39,7 @@ import pandas as pd
 from monet_like.errors import UserError
 from monet_like.graph import capture
 from monet_like.models import parse_model
-from monet_like.profile import profile
+from monet_like.profile import Profile, profile
 from monet_like.solver import InfeasibleBudget, parse_mode, solve
 from monet_like.units import GIB
 from monet_like.variants import apply as apply_variants
@@ -64,10 +66,20 @@ def main() -> None:
     ap.add_argument("--profiles", type=int, default=1, help="fresh profiles per model")
     ap.add_argument("--no_frees", action="store_true", help="no frees' search after the first")
     ap.add_argument("--out", default="out")
+    ap.add_argument("--saved_profiles", help="folder of an earlier run's saved profiles")
     args = ap.parse_args()
     parse_mode(args.mode)  # a bad mode fails before any capture or profiling
     if args.profiles < 1:
         ap.error("--profiles must be at least 1")
+    if args.saved_profiles:
+        missing = [
+            path
+            for name in args.models.split(",")
+            for k in range(args.profiles)
+            if not os.path.isfile(path := saved_profile(args.saved_profiles, name, args.mode, k))
+        ]
+        if missing:
+            ap.error(f"--saved_profiles: no {', '.join(missing)}")
     os.makedirs(args.out, exist_ok=True)
 
     rows = []
@@ -130,24 +142,35 @@ def print_across_profiles(df: pd.DataFrame) -> None:
         )
 
 
+def saved_profile(folder: str, name: str, mode: str, k: int) -> str:
+    """Where a run with `--profiles` saves its `k`th profile (from 0) in `folder`."""
+    return os.path.join(folder, f"profile_{name}_{mode}_{k + 1}.json")
+
+
 def solved_on_a_profile(args, name, model, graph, batch, profile_batch, k) -> list[dict]:
-    """The rows of one profile (the cached one, or the `k`th fresh one): each budget
-    solved by each solver, printed as they come."""
+    """The rows of one profile (the cached one, the `k`th fresh one, or the `k`th saved
+    in `--saved_profiles`): each budget solved by each solver, printed as they come."""
     rows = []
     t0 = time.perf_counter()
-    fresh = args.profiles > 1
-    prof = profile(model, graph, profile_batch=profile_batch, progress=False, use_cache=not fresh)
-    which = f" (profile {k + 1} of {args.profiles})" if fresh else ""
-    if fresh:  # kept, so that a slow or unproved solve can be solved again on its profile
-        saved = os.path.join(args.out, f"profile_{name}_{args.mode}_{k + 1}.json")
-        with open(saved, "w") as fh:
-            fh.write(prof.to_json())
-        which += f", saved to {saved}"
-    print(
-        f"\n{name} batch {batch}, mode {args.mode}{which}: {len(graph.nodes)} nodes;"
-        f" profiled at batch {profile_batch} in {time.perf_counter() - t0:.0f} s"
-        f"{' (cached)' if prof.cached else ''}"
-    )
+    which = f" (profile {k + 1} of {args.profiles})" if args.profiles > 1 else ""
+    if args.saved_profiles:
+        path = saved_profile(args.saved_profiles, name, args.mode, k)
+        with open(path) as fh:
+            prof = Profile.from_json(fh.read())
+        how = f" read from {path}"
+    else:
+        fresh = args.profiles > 1
+        prof = profile(
+            model, graph, profile_batch=profile_batch, progress=False, use_cache=not fresh
+        )
+        how = f" profiled at batch {profile_batch} in {time.perf_counter() - t0:.0f} s"
+        how += " (cached)" if prof.cached else ""
+        if fresh:  # kept, so that a slow or unproved solve can be solved again on its profile
+            saved = saved_profile(args.out, name, args.mode, k)
+            with open(saved, "w") as fh:
+                fh.write(prof.to_json())
+            which += f", saved to {saved}"
+    print(f"\n{name} batch {batch}, mode {args.mode}{which}: {len(graph.nodes)} nodes;{how}")
     print(
         f"{'GB':>4s} {'solver':>6s} {'vars':>7s} {'cons':>7s} {'status':>10s} {'gap':>7s}"
         f" {'of step':>8s}"
