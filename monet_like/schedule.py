@@ -15,6 +15,7 @@ and a unit holding a random op (dropout) is never recomputed: the solver keeps i
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -252,14 +253,18 @@ class _Program:
             version = dict(step.reads)
             protect = step.version != ORIGINAL and executor.writes_buffers(node)
             buffers = executor.buffer_names if protect else set()
-            call = ", ".join(
-                [self._expr(a, version, buffers) for a in node.args]
-                + [f"{name}={self._expr(a, version)}" for name, a in node.kwargs.items()]
-            )
-            target = self._const(node.target)
+            args = [self._expr(a, version, buffers) for a in node.args]
             again = "" if step.version == ORIGINAL else f", recomputed for stage {step.version}"
             local = self._local((step.node, step.version))
-            lines.append(f"{local} = {target}({call})  # {step.node}{again}")
+            if node.target is operator.getitem and not node.kwargs:
+                # a subscript, not a call: a third of a network's steps take an output
+                lines.append(f"{local} = {args[0]}[{args[1]}]  # {step.node}{again}")
+            else:
+                call = ", ".join(
+                    args + [f"{name}={self._expr(a, version)}" for name, a in node.kwargs.items()]
+                )
+                target = self._const(node.target)
+                lines.append(f"{local} = {target}({call})  # {step.node}{again}")
             if hooked:
                 lines.append(f"hook({k})")
             for key in s.free_after[k]:
@@ -302,7 +307,7 @@ class _Program:
         return self.names.setdefault(key, f"v{len(self.names)}")
 
     def _const(self, value) -> str:
-        if value is None or isinstance(value, bool):
+        if value is None or type(value) in (bool, int):
             return repr(value)
         name = f"c{len(self.globals)}"
         self.globals[name] = value

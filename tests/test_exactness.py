@@ -477,6 +477,10 @@ def test_output_activated_batch_norm_is_left_out_where_gamma_is_zero(tmp_path, m
     same = eager_with_algorithms(model, compiled.graph, sol.algorithms)
     assert compare_with_eager(model, path, (3, 16, 16), x, same).within(VARIANT_TOLERANCE)
     assert measured_peak(wrapped, x) <= sol.predicted_peak_bytes <= sol.budget_bytes
+    with torch.no_grad():  # training drives a divided-by gamma to zero: refused, named
+        model.stem[1].weight[5] = 0.0
+    with pytest.raises(UserError, match=r"stem\.1\.weight has reached 0\.0e\+00"):
+        wrapped(x)
 
 
 class RotaryLike(nn.Module):

@@ -25,7 +25,7 @@ from monet_like.solver.evaluate import evaluate
 from monet_like.solver.formulation import formulate
 from monet_like.solver.problem import build_problem
 from monet_like.solver.start import least_peak_start
-from monet_like.wrapper import ScheduleMismatch
+from monet_like.wrapper import ScheduleMismatch, _slots
 
 # (expression, input shape, batch, recomputation depth of the compact formulation;
 # None: the full formulation). DenseNet's dense connectivity gives every stage hundreds
@@ -327,6 +327,37 @@ def test_training_steps_match_eager_over_several_iterations(resnet_solution):
             opt.step()
     for p, q in zip(eager.parameters(), replayed.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_a_parameter_assigned_after_wrapping_is_the_one_replayed(resnet_solution):
+    path, model, sol = resnet_solution
+    eager, replayed = copy.deepcopy(model), copy.deepcopy(model)
+    wrapped = ScheduleWrapper(replayed, path, (3, 64, 64))
+    for net in (eager, replayed):  # as a fine-tuning script replaces a head
+        net.fc.weight = torch.nn.Parameter(net.fc.weight.detach() * 2)
+    x = torch.randn(16, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    default_loss(eager(x)).backward()
+    default_loss(wrapped(x)).backward()
+    assert replayed.fc.weight.grad is not None
+    for p, q in zip(eager.parameters(), replayed.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_the_step_reads_parameters_and_buffers_as_the_module_lists_them():
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+            self.head.weight = self.embed.weight  # listed once
+            self.again = self.embed  # a module under two names: walked once
+            self.norm = torch.nn.BatchNorm1d(4, track_running_stats=False)  # None buffers
+            self.register_buffer("scale", torch.ones(4))
+
+    model = Tied()
+    for kind, listed in (("_parameters", model.parameters()), ("_buffers", model.buffers())):
+        slots = _slots(model, kind)
+        assert [id(table[key]) for table, key in slots] == [id(t) for t in listed]
+    assert len(_slots(model, "_parameters")) == 5 and len(_slots(model, "_buffers")) == 1
 
 
 def test_a_deep_copy_trains_its_own_parameters_as_the_original(resnet_solution):
