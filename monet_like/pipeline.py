@@ -172,6 +172,8 @@ def compile_schedule(
     spread = getattr(prof, "time_spread", None)
     if spread is not None:
         sol.extra["profile_time_spread"] = spread
+    if getattr(prof, "alone_drift", None) is not None:
+        sol.extra["profile_alone_drift"] = prof.alone_drift
     if getattr(prof, "load_per_core", None) is not None:
         sol.extra["profile_load_per_core"] = prof.load_per_core
     if fit_check is not None:

@@ -7,7 +7,7 @@ from torch import nn
 
 from monet_like import pipeline
 from monet_like.errors import UserError
-from monet_like.graph import capture
+from monet_like.graph import Graph, capture
 from monet_like.profile import Profile, profile
 
 
@@ -451,6 +451,8 @@ def _ops_run_alone(monkeypatch, name) -> list:
 
     runs = []
     real_alone = workspace_module._workspace_alone
+    # the check's second calls of a pass's first ops (tested on their own) left out
+    monkeypatch.setattr(workspace_module, "ALONE_CHECK_OPS", 10**9)
 
     def counted(node, device, gen, arena=None, at=None):
         runs.append(name(node, at))
@@ -1177,3 +1179,97 @@ def test_the_algorithm_ratio_benchmark_compares_the_timing_batch_with_the_batch(
     at_batch = run("1e12", tmp_path / "at.csv")
     assert {r["timing batch"] for r in at_batch} == {"16"}
     assert all(float(r["error"]) == 0 for r in at_batch)
+
+
+def _check_net() -> tuple[nn.Module, Graph]:
+    """Convolutions of distinct shapes: each forward and backward its own op alone."""
+    model = nn.Sequential(*(nn.Conv2d(c, c + 1, 3, padding=1) for c in range(3, 7)))
+    return model, capture(model, (3, 8, 8), 8)
+
+
+def _alone_timed(monkeypatch, slow: str) -> list[str]:
+    """Ops alone take fixed seconds by name (none run): `slow` 'first' doubles each op's
+    first call (a slow spell over the pass), 'again' its later calls (the machine got
+    busy at its end), '' neither. Returns the names called, in order."""
+    from monet_like.profile import workspace as workspace_module
+
+    called: list[str] = []
+
+    def timed(node, device, gen, arena=None, at=None):
+        called.append(node.name)
+        first = called.count(node.name) == 1
+        factor = 2.0 if (slow == "first" and first) or (slow == "again" and not first) else 1.0
+        return 0, factor * 0.001 * len(node.name)
+
+    monkeypatch.setattr(workspace_module, "_workspace_alone", timed)
+    monkeypatch.setattr(workspace_module, "ALONE_CHECK_OPS", 3)
+    monkeypatch.setattr(workspace_module, "ALONE_CHECK_LEAST_S", 0.0)
+    return called
+
+
+@pytest.mark.parametrize("slow", ["", "first", "again"])
+def test_a_pass_of_ops_alone_is_checked_by_its_first_ops_timed_again(monkeypatch, slow):
+    """Each op runs alone once: at the end of the pass its first ops are timed again. A
+    pass that ran them slower than that (a slow spell) is timed again whole, each op keeping
+    its lesser time; a quiet pass, or one whose check ran slower (the machine busy at its
+    end), keeps its times. The check says by how much either way."""
+    from monet_like.profile import workspace as workspace_module
+
+    _model, graph = _check_net()
+    called = _alone_timed(monkeypatch, slow)
+    runs = workspace_module.AloneRuns()
+    seconds: dict[int, float] = {}
+    measured, _ = workspace_module._remeasure_alone(
+        graph, torch.device("cpu"), [0] * len(graph.ops), seconds=seconds, runs=runs
+    )
+    names = {op.index: op.name for op in graph.ops}
+    pass_names = [names[i] for i in measured]
+    assert len(pass_names) >= 6 and called[: len(pass_names)] == pass_names
+    check = runs.check
+    assert check is not None and check.ops == 3
+    assert called[len(pass_names) : len(pass_names) + 3] == pass_names[:3]  # the first three
+    if slow == "first":
+        assert check.drift == pytest.approx(1.0) and check.retimed
+        assert sorted(called) == sorted(pass_names * 2)  # every op timed again, once
+    else:
+        assert check.drift == pytest.approx(0.0 if slow == "" else -0.5)
+        assert not check.retimed and len(called) == len(pass_names) + 3
+    # each op its plain time: the lesser of two where the pass ran slow, else the first
+    assert seconds == pytest.approx({i: 0.001 * len(names[i]) for i in measured})
+
+
+def test_a_profile_keeps_its_ops_alone_check_and_says_a_slow_spell(monkeypatch):
+    """The check of the ops timed alone goes into the profile (its drift, whether they were
+    timed again) and the line saying how the times were taken; a drift beyond ALONE_DRIFT
+    makes the profile unsure, and says so. Kept through the cache's JSON."""
+    model, graph = _check_net()
+    _alone_timed(monkeypatch, "first")
+    slow = profile(model, graph, profile_batch=2, repeats=1, progress=False, use_cache=False)
+    assert slow.alone_drift == pytest.approx(1.0) and slow.alone_retimed
+    assert "3 of them timed again at the end took 0.50 of their first time" in slow.time_method
+    assert "ops timed alone ran 100% slower at first than at the end" in slow.noisy
+    again = Profile.from_json(slow.to_json())
+    assert again.alone_drift == slow.alone_drift and again.alone_retimed
+    _alone_timed(monkeypatch, "")
+    quiet = profile(model, graph, profile_batch=2, repeats=1, progress=False, use_cache=False)
+    assert quiet.alone_drift == pytest.approx(0.0) and not quiet.alone_retimed
+    assert "took 1.00 of their first time" in quiet.time_method and "alone" not in quiet.noisy
+
+
+def test_a_solve_keeps_and_says_its_profiles_ops_alone_check(monkeypatch, tmp_path):
+    """The check's drift goes into the solution beside the timed runs' spread, the solve's
+    overhead line says both, and a drift beyond ALONE_DRIFT is said as the profile unsure."""
+    from monet_like.cli.solve import _noise
+
+    monkeypatch.setenv("MONET_LIKE_CACHE", str(tmp_path))
+    model, _graph = _check_net()
+    _alone_timed(monkeypatch, "first")
+    lines: list[str] = []
+    compiled = pipeline.compile_schedule(
+        model, (3, 8, 8), 8, budget_fraction=1.0, progress=lines.append
+    )
+    extra = compiled.solution.extra
+    assert extra["profile_alone_drift"] == pytest.approx(1.0)
+    assert any("ops timed alone ran 100% slower at first" in line for line in lines)
+    noise = _noise(compiled.solution)
+    assert noise.startswith(" (the profile's timed runs spread") and "alone 100.0% off" in noise

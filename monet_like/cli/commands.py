@@ -271,6 +271,7 @@ def cmd_profile(args) -> dict:
         forward_time_s=prof.op_forward_s,
         backward_time_s=prof.op_backward_s,
         time_spread=prof.time_spread,
+        alone_drift=prof.alone_drift,
         time_method=prof.time_method,
     )
     return report

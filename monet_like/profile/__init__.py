@@ -246,6 +246,7 @@ def profile(
     every_op = {op.index for op in graph.ops}
     at_batch: set[int] = set() if scaled else every_op  # ops whose workspace is measured there
     alone_s: dict[int, float] = {}  # seconds of the ops measured alone at the solved batch
+    alone_check = None  # their pass's first ops timed again at its end
     other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
     fits = scaled and graph.fx is not None and _fits_in_memory(graph, device)
     alone_runs = scaled and graph.fx is not None and device.type == "cpu"
@@ -311,6 +312,7 @@ def profile(
                             names = ", ".join(too_large)
                             method += f"; left as fitted, too large for the memory free: {names}"
                     stages.done(f"ops alone at batch {graph.batch}")
+                    alone_check = alone_done.check
                     views = {op.index for op in graph.ops if op.role == "view"}
                     from_alone = _times_from_alone(
                         times, profile_batch, graph.batch, alone_s, views
@@ -321,6 +323,7 @@ def profile(
                             time_method += (
                                 f"; {reduced} of the ops alone at batch {reduced_at}, scaled"
                             )
+                        time_method += _check_line(alone_check)
                 if not fits:
                     workspace, fitted = _fit_the_rest(
                         small_workspace, workspace, at_batch, _batch_free(small, graph)
@@ -410,6 +413,8 @@ def profile(
         profile_seconds=time.perf_counter() - started,
         algorithms=algorithms,
         time_spread=spread[0] if spread and repeats > 1 else None,
+        alone_drift=None if alone_check is None else alone_check.drift,
+        alone_retimed=alone_check is not None and alone_check.retimed,
         stage_seconds=stages.seconds,
         load_per_core=_larger(load_at_start, load_per_core()),
     )
@@ -443,6 +448,16 @@ def _alone_line(graph: Graph, alone: list[int], count: int, at: str, profile_bat
         f" and {count} (no convolution) at batch {at}, their times scaled and their"
         f" workspace fitted a + b*batch from batches {profile_batch} and {at}"
     )
+
+
+def _check_line(check) -> str:
+    """'; 6 of them timed again at the end took 0.98 of their first time', for the
+    time method (`workspace._check_alone`)."""
+    if check is None or check.first_s <= 0:
+        return ""
+    ratio = check.again_s / check.first_s
+    line = f"; {check.ops} of them timed again at the end took {ratio:.2f} of their first time"
+    return line + (" (so all timed again, each keeping its lesser time)" if check.retimed else "")
 
 
 def _reduced_ops(

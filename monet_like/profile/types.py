@@ -10,6 +10,7 @@ import torch
 
 from monet_like.graph import Graph
 from monet_like.profile.algorithms import algorithm_workspace
+from monet_like.profile.workspace import ALONE_DRIFT
 
 # 15: convolution algorithms measured on inputs laid out as in the graph (gaps included)
 PROFILE_FORMAT = 15
@@ -82,6 +83,11 @@ class Profile:
     # (max - min) / median of the whole step's time over the timed runs: the noise the
     # times were measured with (None: not recorded, a profile from an older release)
     time_spread: float | None = None
+    # the ops timed alone: how much slower their pass ran its first ops than they ran
+    # timed again at its end (`workspace._check_alone`; None: not checked), and whether
+    # every op was timed again for it
+    alone_drift: float | None = None
+    alone_retimed: bool = False
     # seconds each stage of profiling took, in order (what a cold solve's time went to)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     # the machine's load while profiling (`load_per_core`, the larger at start and end)
@@ -91,10 +97,18 @@ class Profile:
     @property
     def noisy(self) -> str:
         """Why its times are unsure ('' where they are not): timed runs that differ by
-        more than NOISY_SPREAD, or other work on the machine while it was taken."""
+        more than NOISY_SPREAD, ops timed alone whose check drifted more than ALONE_DRIFT,
+        or other work on the machine while it was taken."""
         reasons = []
         if self.time_spread is not None and self.time_spread > NOISY_SPREAD:
             reasons.append(f"its timed runs of the whole step differ by {self.time_spread:.0%}")
+        if self.alone_drift is not None and abs(self.alone_drift) > ALONE_DRIFT:
+            how = "slower" if self.alone_drift > 0 else "faster"
+            again = ", each op then timed again" if self.alone_retimed else ""
+            reasons.append(
+                f"its ops timed alone ran {abs(self.alone_drift):.0%} {how} at first than"
+                f" at the end{again}"
+            )
         if self.load_per_core is not None and self.load_per_core > BUSY_LOAD_PER_CORE:
             reasons.append(
                 f"it was taken with the machine busy ({self.load_per_core:.1f} runnable threads"
