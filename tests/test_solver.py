@@ -585,7 +585,11 @@ def test_store_all_is_exact_and_compact_is_within_two_percent_of_full(expression
         compact = solve(graph, prof, budget, solver="HIGHS", time_limit=120, frees=False)
         assert compact.stats["variables"] <= full.stats["variables"]
         # Every compact schedule is one of the full formulation's: never below its bound.
-        assert compact.objective_s >= full.bound_s - 1e-6
+        # A full solve whose limit fell before its root LP ended (under load) has none.
+        if full.bound_s is not None:
+            assert compact.objective_s >= full.bound_s - 1e-6
+        else:
+            assert full.status != "optimal", full.stats
         if expression in LONG_CHAINS:
             # With the frees tried (the default): no costlier, and its schedule, built and
             # simulated on fake tensors, within the budget. (It can cost less than the
