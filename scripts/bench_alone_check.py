@@ -1,0 +1,100 @@
+"""A slow spell while ops are timed alone, with and without the check that finds it.
+
+    python scripts/bench_alone_check.py [--model "torchvision.models.resnet50()"]
+        [--input_shape 3,64,64] [--batch 16] [--hog_s 1.0] [--hogs 2]
+
+Profiles the model four times with no cache: quiet; with `--hogs` busy processes
+started as the ops alone begin and stopped `--hog_s` seconds later (a slow spell over
+the pass's start), the check on (`workspace._check_alone`, what a profile does); the same
+spell with the check off; quiet again. Prints, for each, the check's drift, whether the
+pass was timed again, the forward convolutions' and the whole step's times, the seconds
+the ops alone took (their stage), and what the profile says of its noise: the spelled
+profile's times should match the quiet ones with the check on, and not without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+import warnings
+
+import torch
+
+import monet_like.profile as profile_module
+from monet_like.graph import capture
+from monet_like.models import parse_input_shape, parse_model
+from monet_like.profile import workspace as workspace_module
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def with_spell(remeasure, hog_s: float, hogs: int):
+    """`remeasure` (`_remeasure_alone`) with `hogs` busy processes over its first `hog_s`."""
+
+    def spelled(*args, **kwargs):
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+        timer = threading.Timer(hog_s, lambda: [p.kill() for p in busy])
+        timer.start()
+        try:
+            return remeasure(*args, **kwargs)
+        finally:
+            timer.cancel()
+            for p in busy:
+                p.kill()
+                p.wait()
+
+    return spelled
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="torchvision.models.resnet50()")
+    ap.add_argument("--input_shape", default="3,64,64")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--hog_s", type=float, default=1.0, help="seconds of the slow spell")
+    ap.add_argument("--hogs", type=int, default=2, help="busy processes during it")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    spec = parse_model(args.model)
+    model = spec.build("cpu")
+    graph = capture(model, parse_input_shape(args.input_shape), args.batch)
+    forward_convs = [
+        op.index
+        for op in graph.ops
+        if op.target == "aten.convolution.default" or op.name.startswith("conv2d_")
+    ]
+    real_remeasure, real_ops = profile_module._remeasure_alone, workspace_module.ALONE_CHECK_OPS
+    runs = [
+        ("quiet", real_remeasure, real_ops),
+        ("slow spell, checked", with_spell(real_remeasure, args.hog_s, args.hogs), real_ops),
+        ("slow spell, no check", with_spell(real_remeasure, args.hog_s, args.hogs), 10**9),
+        ("quiet again", real_remeasure, real_ops),
+    ]
+    alone_stage = f"ops alone at batch {graph.batch}"
+    print(
+        f"{'profile':22s} {'drift':>7s} {'again':>6s} {'fwd convs s':>11s} {'step s':>7s}"
+        f" {'stage s':>7s}  noise"
+    )
+    for name, remeasure, check_ops in runs:
+        profile_module._remeasure_alone = remeasure
+        workspace_module.ALONE_CHECK_OPS = check_ops
+        try:
+            prof = profile_module.profile(model, graph, use_cache=False, progress=False)
+        finally:
+            profile_module._remeasure_alone = real_remeasure
+            workspace_module.ALONE_CHECK_OPS = real_ops
+        drift = "-" if prof.alone_drift is None else f"{prof.alone_drift:+.1%}"
+        times = prof.op_times_s
+        print(
+            f"{name:22s} {drift:>7s} {'yes' if prof.alone_retimed else 'no':>6s}"
+            f" {sum(times[i] for i in forward_convs):11.3f} {sum(times):7.3f}"
+            f" {prof.stage_seconds.get(alone_stage, 0.0):7.1f}  {prof.noisy or '-'}",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
