@@ -1,12 +1,13 @@
 """A slow spell while ops are timed alone, with and without the check that finds it.
 
     python scripts/bench_alone_check.py [--model "torchvision.models.resnet50()"]
-        [--input_shape 3,64,64] [--batch 16] [--hog_s 1.0] [--hogs 2]
+        [--input_shape 3,64,64] [--batch 16] [--hog_s 1.0] [--hogs 2] [--spell_at 0]
 
 Profiles the model four times with no cache: quiet; with `--hogs` busy processes
-started as the ops alone begin and stopped `--hog_s` seconds later (a slow spell over
-the pass's start), the check on (`workspace._check_alone`, what a profile does); the same
-spell with the check off; quiet again. Prints, for each, the check's drift, whether the
+started `--spell_at` seconds after the ops alone begin and stopped `--hog_s` seconds
+later (a slow spell over the pass's start, by default), the check on
+(`workspace._check_alone`, what a profile does); the same spell with the check off;
+quiet again. Prints, for each, the check's drift, whether the
 pass was timed again, the forward convolutions' and the whole step's times, the seconds
 the ops alone took (their stage), and what the profile says of its noise: the spelled
 profile's times should match the quiet ones with the check on, and not without it.
@@ -30,20 +31,34 @@ from monet_like.profile import workspace as workspace_module
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def with_spell(remeasure, hog_s: float, hogs: int):
-    """`remeasure` (`_remeasure_alone`) with `hogs` busy processes over its first `hog_s`."""
+def with_spell(remeasure, hog_s: float, hogs: int, spell_at: float = 0.0):
+    """`remeasure` (`_remeasure_alone`) with `hogs` busy processes from `spell_at` seconds
+    into it for `hog_s` seconds."""
 
     def spelled(*args, **kwargs):
-        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
-        timer = threading.Timer(hog_s, lambda: [p.kill() for p in busy])
-        timer.start()
-        try:
-            return remeasure(*args, **kwargs)
-        finally:
-            timer.cancel()
+        busy: list[subprocess.Popen] = []
+
+        def start() -> None:
+            busy.extend(
+                subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)
+            )
+            stopper.start()
+
+        def stop() -> None:
             for p in busy:
                 p.kill()
                 p.wait()
+
+        stopper = threading.Timer(hog_s, stop)
+        starter = threading.Timer(spell_at, start)
+        starter.start()
+        try:
+            return remeasure(*args, **kwargs)
+        finally:
+            starter.cancel()
+            starter.join()
+            stopper.cancel()
+            stop()
 
     return spelled
 
@@ -55,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--hog_s", type=float, default=1.0, help="seconds of the slow spell")
     ap.add_argument("--hogs", type=int, default=2, help="busy processes during it")
+    ap.add_argument("--spell_at", type=float, default=0.0, help="its start, s into the pass")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     spec = parse_model(args.model)
@@ -66,10 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         if op.target == "aten.convolution.default" or op.name.startswith("conv2d_")
     ]
     real_remeasure, real_ops = profile_module._remeasure_alone, workspace_module.ALONE_CHECK_OPS
+    spelled = with_spell(real_remeasure, args.hog_s, args.hogs, args.spell_at)
     runs = [
         ("quiet", real_remeasure, real_ops),
-        ("slow spell, checked", with_spell(real_remeasure, args.hog_s, args.hogs), real_ops),
-        ("slow spell, no check", with_spell(real_remeasure, args.hog_s, args.hogs), 10**9),
+        ("slow spell, checked", spelled, real_ops),
+        ("slow spell, no check", spelled, 10**9),
         ("quiet again", real_remeasure, real_ops),
     ]
     alone_stage = f"ops alone at batch {graph.batch}"
