@@ -5,12 +5,13 @@
 
 Profiles the model four times with no cache: quiet; with `--hogs` busy processes
 started `--spell_at` seconds after the ops alone begin and stopped `--hog_s` seconds
-later (a slow spell over the pass's start, by default), the check on
-(`workspace._check_alone`, what a profile does); the same spell with the check off;
-quiet again. Prints, for each, the check's drift, whether the
-pass was timed again, the forward convolutions' and the whole step's times, the seconds
-the ops alone took (their stage), and what the profile says of its noise: the spelled
-profile's times should match the quiet ones with the check on, and not without it.
+later (a slow spell over the pass's start, by default), checked as a profile is
+(`workspace._check_alone`); the same spell unchecked; quiet again. Prints, for each, the
+check's drift, the ops run beside other work ("beside": other processes took over a
+fifth of the machine) and those timed again ("again"), the forward convolutions' and
+the whole step's times, the seconds the ops alone took (their stage), and what the
+profile says of its noise: checked, the spelled profile's times should match the quiet
+ones; unchecked, they do not.
 """
 
 from __future__ import annotations
@@ -81,31 +82,35 @@ def main(argv: list[str] | None = None) -> int:
         for op in graph.ops
         if op.target == "aten.convolution.default" or op.name.startswith("conv2d_")
     ]
-    real_remeasure, real_ops = profile_module._remeasure_alone, workspace_module.ALONE_CHECK_OPS
+    real_remeasure = profile_module._remeasure_alone
+    real_ops, real_others = workspace_module.ALONE_CHECK_OPS, workspace_module._others_cpu_s
     spelled = with_spell(real_remeasure, args.hog_s, args.hogs, args.spell_at)
     runs = [
-        ("quiet", real_remeasure, real_ops),
-        ("slow spell, checked", spelled, real_ops),
-        ("slow spell, no check", spelled, 10**9),
-        ("quiet again", real_remeasure, real_ops),
+        ("quiet", real_remeasure, True),
+        ("slow spell, checked", spelled, True),
+        ("slow spell, no check", spelled, False),
+        ("quiet again", real_remeasure, True),
     ]
     alone_stage = f"ops alone at batch {graph.batch}"
     print(
-        f"{'profile':22s} {'drift':>7s} {'again':>6s} {'fwd convs s':>11s} {'step s':>7s}"
-        f" {'stage s':>7s}  noise"
+        f"{'profile':22s} {'drift':>7s} {'beside':>6s} {'again':>5s} {'fwd convs s':>11s}"
+        f" {'step s':>7s} {'stage s':>7s}  noise"
     )
-    for name, remeasure, check_ops in runs:
+    for name, remeasure, checked in runs:
         profile_module._remeasure_alone = remeasure
-        workspace_module.ALONE_CHECK_OPS = check_ops
+        if not checked:  # neither the first ops timed again nor other work's CPU time read
+            workspace_module.ALONE_CHECK_OPS = 10**9
+            workspace_module._others_cpu_s = lambda: None
         try:
             prof = profile_module.profile(model, graph, use_cache=False, progress=False)
         finally:
             profile_module._remeasure_alone = real_remeasure
             workspace_module.ALONE_CHECK_OPS = real_ops
+            workspace_module._others_cpu_s = real_others
         drift = "-" if prof.alone_drift is None else f"{prof.alone_drift:+.1%}"
         times = prof.op_times_s
         print(
-            f"{name:22s} {drift:>7s} {'yes' if prof.alone_retimed else 'no':>6s}"
+            f"{name:22s} {drift:>7s} {prof.alone_contended:6d} {prof.alone_retimed:5d}"
             f" {sum(times[i] for i in forward_convs):11.3f} {sum(times):7.3f}"
             f" {prof.stage_seconds.get(alone_stage, 0.0):7.1f}  {prof.noisy or '-'}",
             flush=True,

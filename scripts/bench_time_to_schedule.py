@@ -82,11 +82,12 @@ def stages(model, shape, batch, budget, mode, solver) -> dict[str, float]:
         f"    schedule: {sol.status}, peak {sol.predicted_peak_bytes / GIB:.3f} GB,"
         f" overhead {sol.overhead:+.2%}, solve {sol.solve_time_s:.1f} s"
     )
-    drift = compiled.profile.alone_drift
-    if drift is not None and not compiled.profile.cached:  # how sure its times are
+    prof = compiled.profile
+    if prof.alone_drift is not None and not prof.cached:  # how sure its times are
         print(
-            f"    ops timed alone: their pass's first ops ran {drift:+.1%} slower than timed"
-            f" again at its end{', so all timed again' if compiled.profile.alone_retimed else ''}"
+            f"    ops timed alone: their pass's first ops ran {prof.alone_drift:+.1%} slower"
+            f" than timed again at its end; {prof.alone_contended} ran beside other work;"
+            f" {prof.alone_retimed} timed again"
         )
     seconds["solve, check"] = total - seconds["capture"] - seconds["profile"]
     seconds["total"] = total

@@ -451,8 +451,10 @@ def _ops_run_alone(monkeypatch, name) -> list:
 
     runs = []
     real_alone = workspace_module._workspace_alone
-    # the check's second calls of a pass's first ops (tested on their own) left out
+    # the check's second calls (tested on their own) left out: of a pass's first ops, and
+    # of the ops run beside other work (a loaded suite's other worker)
     monkeypatch.setattr(workspace_module, "ALONE_CHECK_OPS", 10**9)
+    monkeypatch.setattr(workspace_module, "_others_cpu_s", lambda: None)
 
     def counted(node, device, gen, arena=None, at=None):
         runs.append(name(node, at))
@@ -1187,21 +1189,28 @@ def _check_net() -> tuple[nn.Module, Graph]:
     return model, capture(model, (3, 8, 8), 8)
 
 
-def _alone_timed(monkeypatch, slow: str) -> list[str]:
+def _alone_timed(monkeypatch, slow: str, beside: set[str] = frozenset()) -> list[str]:
     """Ops alone take fixed seconds by name (none run): `slow` 'first' doubles each op's
     first call (a slow spell over the pass), 'again' its later calls (the machine got
-    busy at its end), '' neither. Returns the names called, in order."""
+    busy at its end), '' neither. The first call of an op named in `beside` runs beside
+    other work (twice as long, other processes' CPU time rising), and with `slow`
+    'beside' every later call of any op too. Returns the names called, in order."""
     from monet_like.profile import workspace as workspace_module
 
     called: list[str] = []
+    others = [0.0]  # other processes' CPU seconds
 
     def timed(node, device, gen, arena=None, at=None):
         called.append(node.name)
         first = called.count(node.name) == 1
         factor = 2.0 if (slow == "first" and first) or (slow == "again" and not first) else 1.0
+        if (first and node.name in beside) or (slow == "beside" and not first):
+            factor, others[0] = 2.0, others[0] + 1.0
         return 0, factor * 0.001 * len(node.name)
 
     monkeypatch.setattr(workspace_module, "_workspace_alone", timed)
+    monkeypatch.setattr(workspace_module, "_others_cpu_s", lambda: others[0])
+    monkeypatch.setattr(workspace_module, "CONTENTION_WINDOW_S", 0.0)  # a window per op
     monkeypatch.setattr(workspace_module, "ALONE_CHECK_OPS", 3)
     monkeypatch.setattr(workspace_module, "ALONE_CHECK_LEAST_S", 0.0)
     return called
@@ -1273,3 +1282,47 @@ def test_a_solve_keeps_and_says_its_profiles_ops_alone_check(monkeypatch, tmp_pa
     assert any("ops timed alone ran 100% slower at first" in line for line in lines)
     noise = _noise(compiled.solution)
     assert noise.startswith(" (the profile's timed runs spread") and "alone 100.0% off" in noise
+
+
+@pytest.mark.parametrize("busy_at_the_end", [False, True])
+def test_ops_alone_run_beside_other_work_are_timed_again(monkeypatch, busy_at_the_end):
+    """An op alone run while other processes took the machine (their CPU time rising) is
+    timed again at the end of the pass and keeps its lesser time, wherever it ran in the
+    pass; where the machine is still busy then, the timing again stops after a window
+    and the profile says it is unsure."""
+    from monet_like.profile import workspace as workspace_module
+
+    model, graph = _check_net()
+    names = {op.index: op.name for op in graph.ops}
+    backward = [op.name for op in graph.ops if op.name.startswith("convolution_backward")]
+    beside = set(backward[1:3])  # mid-pass, past the first ops the drift check takes
+    slow = "beside" if busy_at_the_end else ""
+    called = _alone_timed(monkeypatch, slow, beside)
+    runs = workspace_module.AloneRuns()
+    seconds: dict[int, float] = {}
+    measured, _ = workspace_module._remeasure_alone(
+        graph, torch.device("cpu"), [0] * len(graph.ops), seconds=seconds, runs=runs
+    )
+    check = runs.check
+    assert check.contended == 2 and check.drift is not None
+    again = called[len(measured) + check.ops :]  # after the pass and its first ops' check
+    if busy_at_the_end:
+        assert check.busy and check.retimed == 1 and len(again) == 1
+    else:
+        assert not check.busy and check.retimed == 2 and sorted(again) == sorted(beside)
+        assert seconds == pytest.approx({i: 0.001 * len(names[i]) for i in measured})
+    _alone_timed(monkeypatch, slow, beside)  # afresh: no op called yet
+    prof = profile(model, graph, profile_batch=2, repeats=1, progress=False, use_cache=False)
+    if busy_at_the_end:
+        assert prof.alone_busy and "2 of its ops timed alone ran beside other work" in prof.noisy
+        assert "(stopped: the machine still busy)" in prof.time_method
+    else:
+        assert prof.alone_contended == 2 and prof.alone_retimed == 2 and not prof.noisy
+        assert "2 ran beside other work; 2 timed again" in prof.time_method
+        from types import SimpleNamespace
+
+        from monet_like.cli.solve import _noise
+
+        extra = {"profile_alone_drift": 0.0, "profile_alone_contended": 2}  # what it reads
+        line = _noise(SimpleNamespace(extra=extra))
+        assert "2 of them run beside other work, timed again" in line

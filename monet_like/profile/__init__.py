@@ -414,7 +414,9 @@ def profile(
         algorithms=algorithms,
         time_spread=spread[0] if spread and repeats > 1 else None,
         alone_drift=None if alone_check is None else alone_check.drift,
-        alone_retimed=alone_check is not None and alone_check.retimed,
+        alone_retimed=0 if alone_check is None else alone_check.retimed,
+        alone_contended=0 if alone_check is None else alone_check.contended,
+        alone_busy=alone_check is not None and alone_check.busy,
         stage_seconds=stages.seconds,
         load_per_core=_larger(load_at_start, load_per_core()),
     )
@@ -451,13 +453,20 @@ def _alone_line(graph: Graph, alone: list[int], count: int, at: str, profile_bat
 
 
 def _check_line(check) -> str:
-    """'; 6 of them timed again at the end took 0.98 of their first time', for the
-    time method (`workspace._check_alone`)."""
-    if check is None or check.first_s <= 0:
+    """'; 6 of them timed again at the end took 0.98 of their first time; 12 ran beside
+    other work: ...', for the time method (`workspace._check_alone`)."""
+    if check is None:
         return ""
-    ratio = check.again_s / check.first_s
-    line = f"; {check.ops} of them timed again at the end took {ratio:.2f} of their first time"
-    return line + (" (so all timed again, each keeping its lesser time)" if check.retimed else "")
+    line = ""
+    if check.ops and check.first_s > 0:
+        ratio = check.again_s / check.first_s
+        line = f"; {check.ops} of them timed again at the end took {ratio:.2f} of their first time"
+    if check.contended:
+        line += f"; {check.contended} ran beside other work"
+    if check.retimed:
+        line += f"; {check.retimed} timed again, each keeping its lesser time"
+        line += " (stopped: the machine still busy)" if check.busy else ""
+    return line
 
 
 def _reduced_ops(

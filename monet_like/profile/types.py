@@ -83,11 +83,14 @@ class Profile:
     # (max - min) / median of the whole step's time over the timed runs: the noise the
     # times were measured with (None: not recorded, a profile from an older release)
     time_spread: float | None = None
-    # the ops timed alone: how much slower their pass ran its first ops than they ran
-    # timed again at its end (`workspace._check_alone`; None: not checked), and whether
-    # every op was timed again for it
+    # the ops timed alone (`workspace._check_alone`): how much slower their pass ran its
+    # first ops than they ran timed again at its end (None: not checked); how many ran
+    # while other work took the machine; how many were timed again for either; whether
+    # that stopped, the machine still busy
     alone_drift: float | None = None
-    alone_retimed: bool = False
+    alone_retimed: int = 0
+    alone_contended: int = 0
+    alone_busy: bool = False
     # seconds each stage of profiling took, in order (what a cold solve's time went to)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     # the machine's load while profiling (`load_per_core`, the larger at start and end)
@@ -97,8 +100,9 @@ class Profile:
     @property
     def noisy(self) -> str:
         """Why its times are unsure ('' where they are not): timed runs that differ by
-        more than NOISY_SPREAD, ops timed alone whose check drifted more than ALONE_DRIFT,
-        or other work on the machine while it was taken."""
+        more than NOISY_SPREAD, ops timed alone whose check drifted more than ALONE_DRIFT
+        or that ran beside other work and could not be timed again quiet, or other work on
+        the machine while it was taken."""
         reasons = []
         if self.time_spread is not None and self.time_spread > NOISY_SPREAD:
             reasons.append(f"its timed runs of the whole step differ by {self.time_spread:.0%}")
@@ -108,6 +112,11 @@ class Profile:
             reasons.append(
                 f"its ops timed alone ran {abs(self.alone_drift):.0%} {how} at first than"
                 f" at the end{again}"
+            )
+        if self.alone_busy:
+            reasons.append(
+                f"{self.alone_contended} of its ops timed alone ran beside other work, which"
+                " was still running when they were to be timed again"
             )
         if self.load_per_core is not None and self.load_per_core > BUSY_LOAD_PER_CORE:
             reasons.append(

@@ -4,6 +4,7 @@ solved batch does not fit, and the ops then measured (and timed) alone there."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -86,6 +87,45 @@ ALONE_CHECK_LEAST_S = 0.002
 # Their drift beyond this: the pass's times are unsure. Where the pass ran the slower,
 # every op in it is timed again and keeps the lesser of its two times.
 ALONE_DRIFT = 0.15
+# A spell later in the pass shows as other processes' CPU time while it ran (/proc/stat's
+# busy time, the host's steal included, less this process's), over windows of at least
+# CONTENTION_WINDOW_S. As a share of the machine: under 1% quiet on this project's 2-core
+# CPU, 35% beside one busy process, 50% beside two. The ops of a window above
+# CONTENDED_SHARE are timed again at the end of the pass, each keeping its lesser time;
+# where that runs contended too (a machine busy throughout), it stops and says so.
+CONTENTION_WINDOW_S = 0.5
+CONTENDED_SHARE = 0.2
+
+
+def _others_cpu_s() -> float | None:
+    """The machine's busy CPU seconds (all cores, steal included) less this process's:
+    differences of it are other work's CPU time. None where /proc/stat cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
+    own = os.times()
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return busy - own.user - own.system
+
+
+def _contended(marks: list[tuple], cores: int) -> set[tuple]:
+    """The signatures run in windows where other work took more than CONTENDED_SHARE
+    of the machine. `marks`: (signature or None, wall seconds, `_others_cpu_s`) before the
+    first op and after each, in order."""
+    found: set[tuple] = set()
+    start, window = marks[0], []
+    for i, mark in enumerate(marks[1:], 1):
+        window.append(mark[0])
+        wall = mark[1] - start[1]
+        last = i == len(marks) - 1
+        if wall > 0 and (wall >= CONTENTION_WINDOW_S or (last and wall >= CONTENTION_WINDOW_S / 5)):
+            if (mark[2] - start[2]) / (wall * cores) > CONTENDED_SHARE:
+                found.update(s for s in window if s is not None)
+            start, window = mark, []
+    return found
 
 
 # The share of the free memory an op measured alone may take (inputs, outputs, fitted
@@ -436,17 +476,19 @@ class AloneRuns:
 
 @dataclass(frozen=True)
 class AloneCheck:
-    """A pass's first ops timed again at its end (`_check_alone`)."""
+    """A pass of ops alone checked at its end (`_check_alone`)."""
 
-    ops: int
+    ops: int  # its first ops timed again (0: too few to tell)
     first_s: float  # their seconds in the pass
     again_s: float  # their seconds timed again
-    retimed: bool  # every op of the pass timed again, each keeping its lesser time
+    contended: int = 0  # its ops run while other work took over CONTENDED_SHARE
+    retimed: int = 0  # its ops timed again, each keeping its lesser time
+    busy: bool = False  # the timing again ran contended too, and stopped
 
     @property
-    def drift(self) -> float:
-        """How much slower the pass ran them than the check (negative: faster)."""
-        return self.first_s / self.again_s - 1 if self.again_s > 0 else 0.0
+    def drift(self) -> float | None:
+        """How much slower the pass ran its first ops than the check (negative: faster)."""
+        return self.first_s / self.again_s - 1 if self.ops and self.again_s > 0 else None
 
 
 def alone_runs_of(captures: dict | None) -> AloneRuns:
@@ -535,6 +577,8 @@ def _remeasure_alone(
     too_large: list[str] = []
     found: list[tuple[int, tuple]] = []  # (op index, signature) of each op run or alike
     calls: dict[tuple, tuple] = {}  # signature -> (node, at, scale): this pass's own runs
+    others = _others_cpu_s()
+    marks = [] if others is None else [(None, time.perf_counter(), others)]
     for op, node, signature in _alone_ops(graph, device):
         if tick is not None:
             tick()
@@ -557,6 +601,8 @@ def _remeasure_alone(
             except (RuntimeError, NotImplementedError):
                 runs.workspace[signature] = None  # fails on random inputs: as fitted
             else:
+                if marks:
+                    marks.append((signature, time.perf_counter(), _others_cpu_s() or 0.0))
                 scale = 1.0 if at is None else graph.batch / at.batch
                 if at is not None:
                     (bytes_alone,) = _extrapolate(
@@ -573,7 +619,10 @@ def _remeasure_alone(
         if runs.workspace[signature] is not None:
             found.append((op.index, signature))
     if calls:
-        runs.check = _check_alone(calls, runs, device, gen, arena, tick) or runs.check
+        contended = _contended(marks, os.cpu_count() or 1) if len(marks) > 1 else set()
+        check = _check_alone(calls, runs, device, gen, arena, tick, contended)
+        if check.ops or check.contended or runs.check is None:  # else the last pass's
+            runs.check = check
     for index, signature in found:
         if workspace_too:
             workspace[index] = runs.workspace[signature]
@@ -589,13 +638,15 @@ def _check_alone(
     gen: torch.Generator,
     arena: _InputArena,
     tick: Callable[[], None] | None = None,
-) -> AloneCheck | None:
-    """Time a pass's first ops again at its end (`calls`, signature -> (node, at, scale),
-    in the order run; their times in `runs.seconds`): the first ALONE_CHECK_OPS of at
-    least ALONE_CHECK_LEAST_S, and more up to ALONE_CHECK_SHARE of the pass's seconds.
-    Where the pass ran them more than ALONE_DRIFT slower, every op of the pass is timed
-    again and keeps the lesser of its two times in `runs.seconds`. None where the pass
-    has too few such ops to tell a slow spell from an op's own noise."""
+    contended: set[tuple] | None = None,
+) -> AloneCheck:
+    """Check a pass of ops alone at its end (`calls`, signature -> (node, at, scale), in
+    the order run; their times in `runs.seconds`): its first ALONE_CHECK_OPS ops of at
+    least ALONE_CHECK_LEAST_S, and more up to ALONE_CHECK_SHARE of the pass's seconds, are
+    timed again (none where it has too few such ops to tell a slow spell from an op's own
+    noise). Where the pass ran them more than ALONE_DRIFT slower, every op of the pass is
+    timed again, else those run while other work took the machine (`contended`); each
+    keeps the lesser of its two times in `runs.seconds`."""
 
     def again(signature) -> float | None:
         node, at, scale = calls[signature]
@@ -604,6 +655,7 @@ def _check_alone(
         except (RuntimeError, NotImplementedError):  # other random values: left as timed
             return None
 
+    contended = {s for s in contended or () if s in calls}
     total = sum(runs.seconds[s] for s in calls)
     sample: list[tuple] = []
     for signature in calls:
@@ -612,24 +664,31 @@ def _check_alone(
             break
         if runs.seconds[signature] >= ALONE_CHECK_LEAST_S:
             sample.append(signature)
-    if len(sample) < ALONE_CHECK_OPS:
-        return None
-    timed_again = {s: again(s) for s in sample}
-    kept = [s for s in sample if timed_again[s] is not None]
+    timed_again = {s: again(s) for s in sample} if len(sample) >= ALONE_CHECK_OPS else {}
+    kept = [s for s in timed_again if timed_again[s] is not None]
     if len(kept) < ALONE_CHECK_OPS:
-        return None
+        kept, timed_again = [], {}
     first_s = sum(runs.seconds[s] for s in kept)
     again_s = sum(timed_again[s] for s in kept)
-    check = AloneCheck(len(kept), first_s, again_s, retimed=False)
-    if check.drift <= ALONE_DRIFT:
-        return check
-    for signature in calls:  # the pass ran slow: time it all again
+    slow = bool(kept) and again_s > 0 and first_s / again_s - 1 > ALONE_DRIFT
+    retimed, busy = 0, False
+    others = _others_cpu_s()
+    start = (time.perf_counter(), others)
+    for signature in calls if slow else [s for s in calls if s in contended]:
         if tick is not None:
             tick()
         seconds = timed_again[signature] if signature in timed_again else again(signature)
         if seconds is not None:
             runs.seconds[signature] = min(runs.seconds[signature], seconds)
-    return AloneCheck(len(kept), first_s, again_s, retimed=True)
+            retimed += 1
+        wall = time.perf_counter() - start[0]
+        if others is not None and wall > 0 and wall >= CONTENTION_WINDOW_S:
+            share = ((_others_cpu_s() or 0.0) - start[1]) / (wall * (os.cpu_count() or 1))
+            if share > CONTENDED_SHARE:  # busy now too: timing again gains nothing
+                busy = True
+                break
+            start = (time.perf_counter(), _others_cpu_s() or 0.0)
+    return AloneCheck(len(kept), first_s, again_s, len(contended), retimed, busy)
 
 
 def _alone_ops(graph: Graph, device: torch.device):
