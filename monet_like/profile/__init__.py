@@ -246,7 +246,7 @@ def profile(
     every_op = {op.index for op in graph.ops}
     at_batch: set[int] = set() if scaled else every_op  # ops whose workspace is measured there
     alone_s: dict[int, float] = {}  # seconds of the ops measured alone at the solved batch
-    alone_check = None  # their pass's first ops timed again at its end
+    alone_check = None  # their pass checked at its end (`workspace._check_alone`)
     other_batch = profile_batch * 2 if profile_batch * 2 <= graph.batch else 1
     fits = scaled and graph.fx is not None and _fits_in_memory(graph, device)
     alone_runs = scaled and graph.fx is not None and device.type == "cpu"

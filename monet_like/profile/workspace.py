@@ -111,7 +111,14 @@ def _others_cpu_s() -> float | None:
     return busy - own.user - own.system
 
 
-def _contended(marks: list[tuple], cores: int) -> set[tuple]:
+def _others_share(start: tuple[float, float], end: tuple[float, float]) -> float:
+    """The share of the machine other work took between two (wall seconds,
+    `_others_cpu_s`) readings."""
+    wall = end[0] - start[0]
+    return (end[1] - start[1]) / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
+
+
+def _contended(marks: list[tuple]) -> set[tuple]:
     """The signatures run in windows where other work took more than CONTENDED_SHARE
     of the machine. `marks`: (signature or None, wall seconds, `_others_cpu_s`) before the
     first op and after each, in order."""
@@ -122,7 +129,7 @@ def _contended(marks: list[tuple], cores: int) -> set[tuple]:
         wall = mark[1] - start[1]
         last = i == len(marks) - 1
         if wall > 0 and (wall >= CONTENTION_WINDOW_S or (last and wall >= CONTENTION_WINDOW_S / 5)):
-            if (mark[2] - start[2]) / (wall * cores) > CONTENDED_SHARE:
+            if _others_share(start[1:], mark[1:]) > CONTENDED_SHARE:
                 found.update(s for s in window if s is not None)
             start, window = mark, []
     return found
@@ -619,7 +626,7 @@ def _remeasure_alone(
         if runs.workspace[signature] is not None:
             found.append((op.index, signature))
     if calls:
-        contended = _contended(marks, os.cpu_count() or 1) if len(marks) > 1 else set()
+        contended = _contended(marks) if len(marks) > 1 else set()
         check = _check_alone(calls, runs, device, gen, arena, tick, contended)
         if check.ops or check.contended or runs.check is None:  # else the last pass's
             runs.check = check
@@ -683,11 +690,11 @@ def _check_alone(
             retimed += 1
         wall = time.perf_counter() - start[0]
         if others is not None and wall > 0 and wall >= CONTENTION_WINDOW_S:
-            share = ((_others_cpu_s() or 0.0) - start[1]) / (wall * (os.cpu_count() or 1))
-            if share > CONTENDED_SHARE:  # busy now too: timing again gains nothing
+            now = (time.perf_counter(), _others_cpu_s() or 0.0)
+            if _others_share(start, now) > CONTENDED_SHARE:  # busy now too: gains nothing
                 busy = True
                 break
-            start = (time.perf_counter(), _others_cpu_s() or 0.0)
+            start = now
     return AloneCheck(len(kept), first_s, again_s, len(contended), retimed, busy)
 
 
