@@ -9,11 +9,14 @@ The profile times each convolution layer's algorithm options at the largest batc
 forward costs at most ALGORITHM_TIMING_FLOPS (often far below the solved batch), and the
 solver prices an option as PyTorch's own algorithm's time in the step times the option's
 ratio to it there. This script times every option of each distinct layer (the first
-`--sites` of them) at that timing batch and at the solved batch itself, all calls of a
-layer interleaved in one set of rounds (the least of `--rounds` each), and prints each
-option's ratio to PyTorch's own algorithm (same direction) at both batches: where the
-two differ, the solver's price of that option is off by as much. A ratio at the timing
-batch below the one at the batch makes the schedule slower than its plan.
+`--sites` of them) as the profile does (at that timing batch, the batch chunks in
+chunks of their size at the solved batch) and at the solved batch itself, all calls of
+a layer interleaved in one set of rounds (the least of `--rounds` each), and prints
+each option's ratio to PyTorch's own algorithm (same direction) at both batches: where
+the two differ, the solver's price of that option is off by as much. A ratio at the
+timing batch below the one at the batch makes the schedule slower than its plan. The
+summary also gives the chunk options' error when each is timed as one call over the
+timing batch.
 `--timing_flops` sets ALGORITHM_TIMING_FLOPS (1e9) for the run: a larger timing batch,
 its cost printed at the end as one round of every option at either batch.
 """
@@ -30,7 +33,12 @@ import torch
 from monet_like.models import parse_model
 from monet_like.pipeline import capture_graphs
 from monet_like.profile import algorithms
-from monet_like.profile.algorithms import _site_calls, _site_signature, _timing_batch
+from monet_like.profile.algorithms import (
+    _site_calls,
+    _site_signature,
+    _timing_batch,
+    _timing_calls,
+)
 from monet_like.profile.timing import _fastest_interleaved
 from monet_like.variants import algorithm_sites
 
@@ -48,24 +56,45 @@ def site_ratios(
     fwd = nodes[site["forward"][0]]
     weight, out = fwd.args[1].meta["val"].shape, fwd.meta["val"].shape
     timed_at = _timing_batch(weight, out, batch, profile_batch)
-    keys, calls = [], []
-    for at in sorted({timed_at, batch}):  # once where the layer is timed at the batch
-        for direction, options in _site_calls(site, nodes, at, cpu, gen).items():
+    # as the profile times them (`_timing_calls`: each at its own batch, scaled to the
+    # solved one), and at the solved batch; once where the layer is timed there
+    keys, calls, scale = [], [], []
+    for direction, algo, at, call in _timing_calls(site, nodes, timed_at, batch, cpu, gen):
+        keys.append(("timing", direction, algo))
+        calls.append(call)
+        scale.append(batch / at)
+    if timed_at != batch:
+        for direction, options in _site_calls(site, nodes, batch, cpu, gen).items():
             for algo, call in options:
-                keys.append((at, direction, algo))
+                keys.append(("batch", direction, algo))
                 calls.append(call)
-    seconds = dict(zip(keys, _fastest_interleaved(calls, cpu, rounds), strict=True))
-    for (at, _, _), t in seconds.items():
-        if at == timed_at:
-            cost["timing"] += t
-        if at == batch:
-            cost["batch"] += t
+                scale.append(1.0)
+        # for comparison, the batch chunks over the timing batch itself
+        for direction, options in _site_calls(site, nodes, timed_at, cpu, gen).items():
+            for algo, call in options:
+                if algo <= -2:
+                    keys.append(("whole timing batch", direction, algo))
+                    calls.append(call)
+                    scale.append(batch / timed_at)
+    seconds, spent = {}, {"timing": 0.0, "batch": 0.0, "whole timing batch": 0.0}
+    for key, t, s in zip(keys, _fastest_interleaved(calls, cpu, rounds), scale, strict=True):
+        spent[key[0]] += t
+        seconds[key] = t * s
+    if timed_at == batch:  # the same calls stand for both
+        spent["batch"] = spent["timing"]
+        seconds.update({("batch", d, a): t for (_, d, a), t in list(seconds.items())})
+    cost["timing"] += spent["timing"]
+    cost["batch"] += spent["batch"]
     found = []
-    for at, direction, algo in keys:
-        if at != batch or algo == -1 or direction == "both":
+    for where, direction, algo in keys:
+        if where != "timing" or algo == -1 or direction == "both":
             continue
-        at_timing = seconds[(timed_at, direction, algo)] / seconds[(timed_at, direction, -1)]
-        at_batch = seconds[(batch, direction, algo)] / seconds[(batch, direction, -1)]
+        at_timing = seconds[("timing", direction, algo)] / seconds[("timing", direction, -1)]
+        at_batch = seconds[("batch", direction, algo)] / seconds[("batch", direction, -1)]
+        whole = seconds.get(
+            ("whole timing batch", direction, algo), seconds[where, direction, algo]
+        )
+        at_whole = whole / seconds[("timing", direction, -1)]
         found.append({
             "layer": "x".join(map(str, weight)) + f" -> {out[2]}x{out[3]}",
             "timing batch": timed_at,
@@ -74,6 +103,7 @@ def site_ratios(
             "ratio at timing batch": at_timing,
             "ratio at batch": at_batch,
             "error": at_timing / at_batch - 1,
+            "error, chunks over the timing batch": at_whole / at_batch - 1,
         })  # fmt: skip
     return found
 
@@ -127,15 +157,22 @@ def main(argv: list[str] | None = None) -> int:
             writer.writeheader()
             writer.writerows(rows)
     print()
-    print(f"{'option':<9} {'rows':>5} {'median |error|':>15} {'priced >10% low':>16} {'worst':>7}")
-    for option in (*OPTIONS, "all"):
+    print(f"{'option':<32} {'rows':>5} {'median |error|':>15} {'priced >10% low':>16} {'worst':>7}")
+    chunked = ("2 chunks", "8 chunks")
+    summaries = [(option, "error") for option in (*OPTIONS, "all")]
+    summaries += [
+        (f"{option}, over the timing batch", "error, chunks over the timing batch")
+        for option in chunked
+    ]  # each chunk option timed as one call over the timing batch, for comparison
+    for label, column in summaries:
+        option = label.split(",")[0]
         mine = [r for r in rows if option in ("all", r["option"])]
         if not mine:
             continue
-        errors = [r["error"] for r in mine]
+        errors = [r[column] for r in mine]
         low = [e for e in errors if e < -0.10]
         print(
-            f"{option:<9} {len(mine):>5} {statistics.median(abs(e) for e in errors):>15.0%}"
+            f"{label:<32} {len(mine):>5} {statistics.median(abs(e) for e in errors):>15.0%}"
             f" {len(low):>16} {min(errors):>+7.0%}"
         )
     print(

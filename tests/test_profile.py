@@ -834,6 +834,46 @@ def test_convolution_algorithms_measured_on_the_graphs_layouts():
     assert dict((a, ws) for a, _, ws in options["weight"])[0] == columns + gradient_copy
 
 
+@pytest.mark.parametrize(
+    "batch, timed_at, two, eight",
+    [(64, 16, (32, -2), (16, -2)), (64, 4, (8, -2), (8, -2)), (48, 24, (48, -2), (48, -8)),
+     (24, 24, (24, -2), (24, -8))],
+)  # fmt: skip
+def test_batch_chunk_options_timed_in_chunks_of_their_size_at_the_batch(
+    monkeypatch, batch, timed_at, two, eight
+):
+    """conv mode: a batch-chunk option is timed in 2 chunks each as large as one of its
+    chunks at the solved batch (at most the timing batch), not over the timing batch,
+    where its chunks are a few samples; as itself at the solved batch where that is at
+    most twice the timing batch. Each option's time is scaled from the batch it ran at.
+    Where the layer is timed at the solved batch, every option runs there."""
+    from monet_like.profile import algorithms
+    from monet_like.variants import algorithm_sites, apply
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    graph = apply(capture(model, (3, 8, 8), batch), "conv")
+    nodes = {n.name: n for n in graph.fx.graph.nodes}
+    site = algorithm_sites(graph)[1]
+    gen = torch.Generator().manual_seed(0)
+    timed = algorithms._timing_calls(site, nodes, timed_at, batch, torch.device("cpu"), gen)
+    expected = {-2: two, -8: eight}  # option -> (batch, algorithm) it is timed as
+    assert {d for d, *_ in timed} == {"forward", "data", "weight", "both"}
+    for direction, algo, rows, call in timed:
+        want_rows, want_algo = expected.get(algo, (timed_at, algo))
+        assert rows == want_rows and call.args[0].shape[0] == rows  # input or its gradient
+        ran = call.args[-2] if direction == "data" else call.args[-1]  # the part's algorithm
+        assert ran == want_algo
+    # each time is scaled from its own batch: every call taking one second here
+    monkeypatch.setattr(algorithms, "_timing_batch", lambda w, y, b, least: timed_at)
+    monkeypatch.setattr(
+        algorithms, "_fastest_interleaved", lambda calls, *a, **k: [1.0] * len(calls)
+    )
+    options = algorithms._algorithm_options(graph, torch.device("cpu"), 2, 1, progress=False)
+    for rows in options[site["id"]].values():
+        for algo, seconds, _ in rows:
+            assert seconds == pytest.approx(batch / expected.get(algo, (timed_at,))[0])
+
+
 def test_batch_chunk_options_workspace_fitted_from_batches_smaller_than_the_chunks(monkeypatch):
     """conv mode: 8 batch chunks (-8) fitted from batches 2 and 4 ran one sample per
     chunk there; at the solved batch a chunk holds 4. The batch chunks' fitted workspace

@@ -131,6 +131,40 @@ def _timing_batch(w_shape, y_shape, batch: int, least: int) -> int:
     return max(least, min(batch, int(ALGORITHM_TIMING_FLOPS // max(per_sample, 1))))
 
 
+def _chunk_timing(algo: int, timed_at: int, batch: int) -> tuple[int, int]:
+    """(batch, algorithm) a batch-chunk option (algorithm -k) is timed at: itself at the
+    solved batch where that costs at most twice the timing batch, else 2 chunks, each as
+    large as one of its chunks at the solved batch or as the timing batch where that is
+    smaller. A chunk's speed depends on its own size (a few samples fit in cache where
+    tens do not), and on a memory-bound layer on the whole call's: ResNet-50 at 184, one
+    call over the timing batch, in chunks of a few samples, priced these options up to
+    34% low, 2 chunks of their size up to 16% (docs/benchmarks.md)."""
+    if batch <= 2 * timed_at:
+        return batch, algo
+    return 2 * min(max(1, round(batch / -algo)), timed_at), -2
+
+
+def _timing_calls(
+    site: dict, nodes: dict, timed_at: int, batch: int, device: torch.device, gen
+) -> list[tuple[str, int, int, Callable[[], object]]]:
+    """(direction, algorithm, batch it runs at, call) of every option of one convolution
+    site as the profile times it: at `timed_at`, but for the batch chunks where that is
+    not the solved `batch` (`_chunk_timing`). Each time is scaled linearly from its
+    own batch to the solved one."""
+    calls = _site_calls(site, nodes, timed_at, device, gen)
+    timed = [(d, a, timed_at, c) for d, rows in calls.items() for a, c in rows]
+    if timed_at == batch:
+        return timed
+    at_chunk: dict[int, dict] = {}
+    for i, (direction, algo, _, _) in enumerate(timed):
+        if algo <= -2:
+            rows, chunked = _chunk_timing(algo, timed_at, batch)
+            if rows not in at_chunk:
+                at_chunk[rows] = _site_calls(site, nodes, rows, device, gen)
+            timed[i] = (direction, algo, rows, dict(at_chunk[rows][direction])[chunked])
+    return timed
+
+
 def _site_calls(site: dict, nodes: dict, rows: int, device: torch.device, gen) -> dict:
     """Direction -> [(algorithm, call)] for one convolution site (variants.conv) on random
     tensors of its shapes with `rows` samples: "forward", "data" and "weight" (each part
@@ -221,8 +255,9 @@ def _algorithm_options(
     tensors of the site's shapes: [algorithm, seconds, workspace bytes] at the graph's
     batch. Times: the algorithms of a site run in turn, `repeats` - 1 rounds (at least
     2) after one call each that records its workspace (`_timed_and_measured`), at the
-    graph's batch or the largest below it that ALGORITHM_TIMING_FLOPS allows, then
-    scaled linearly to it (only their ratios are used: problem.AlgorithmChoice).
+    graph's batch or the largest below it that ALGORITHM_TIMING_FLOPS allows (the batch
+    chunks in chunks of their size at the graph's batch: `_timing_calls`), then scaled
+    linearly to it (only their ratios are used: problem.AlgorithmChoice).
     Workspace: measured at the graph's batch (in that recorded call where the layer is
     timed there, else in a run of its own where ALGORITHM_WORKSPACE_FLOPS allows), else at the
     timing batch and a second one, fitted as a + b * batch (but for the batch chunks,
@@ -248,9 +283,9 @@ def _algorithm_options(
         fwd = nodes[site["forward"][0]]
         weight_shape, out_shape = fwd.args[1].meta["val"].shape, fwd.meta["val"].shape
         timed_at = _timing_batch(weight_shape, out_shape, graph.batch, profile_batch)
-        calls = _site_calls(site, nodes, timed_at, device, gen)
-        keys = [(d, a) for d, rows in calls.items() for a, _ in rows]
-        flat = [c for rows in calls.values() for _, c in rows]
+        timing = _timing_calls(site, nodes, timed_at, graph.batch, device, gen)
+        keys = [(d, a) for d, a, _, _ in timing]
+        flat = [c for _, _, _, c in timing]
         # Warmed up first only on CUDA (cuDNN and cuBLAS set up on first calls), but for
         # PyTorch's own at the profile's batch, which the graph's timed runs just ran at
         # these shapes. On CPU each option's first call allocates as its later ones do
@@ -258,6 +293,7 @@ def _algorithm_options(
         # set-up counted would only overstate the workspace.
         warm = [device.type == "cpu" or (a == -1 and timed_at == profile_batch) for _, a in keys]
         seconds, workspace = _timed_and_measured(flat, device, max(repeats - 1, 2), warm)
+        seconds = [t * graph.batch / at for t, (_, _, at, _) in zip(seconds, timing, strict=True)]
         if timed_at == graph.batch:
             pass  # measured where it is used (a fit through a smaller batch put chunks 4 kB under)
         elif _conv_flops(weight_shape, out_shape, graph.batch) <= ALGORITHM_WORKSPACE_FLOPS:
@@ -298,7 +334,7 @@ def _algorithm_options(
                 workspace = fitted
         entry: dict[str, list[list]] = {}
         for (direction, algo), t, ws in zip(keys, seconds, workspace, strict=True):
-            entry.setdefault(direction, []).append([algo, t * graph.batch / timed_at, ws])
+            entry.setdefault(direction, []).append([algo, t, ws])
         out[site["id"]] = measured[signature] = entry
     if progress is not False and len(measured) < len(sites):
         print(f"  {len(sites)} convolution sites, {len(measured)} distinct: each timed once")
