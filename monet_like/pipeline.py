@@ -174,6 +174,8 @@ def compile_schedule(
         sol.extra["profile_time_spread"] = spread
     if getattr(prof, "alone_drift", None) is not None:
         sol.extra["profile_alone_drift"] = prof.alone_drift
+    if getattr(prof, "alone_drift_after", None) is not None:
+        sol.extra["profile_alone_drift_after"] = prof.alone_drift_after
     if getattr(prof, "alone_contended", 0):
         sol.extra["profile_alone_contended"] = prof.alone_contended
     if getattr(prof, "load_per_core", None) is not None:

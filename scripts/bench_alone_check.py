@@ -8,10 +8,11 @@ started `--spell_at` seconds after the ops alone begin and stopped `--hog_s` sec
 later (a slow spell over the pass's start, by default), checked as a profile is
 (`workspace._check_alone`); the same spell unchecked; quiet again. Prints, for each, the
 check's drift, the ops run beside other work ("beside": other processes took over a
-fifth of the machine) and those timed again ("again"), the forward convolutions' and
-the whole step's times, the seconds the ops alone took (their stage), and what the
-profile says of its noise: checked, the spelled profile's times should match the quiet
-ones; unchecked, they do not.
+fifth of the machine) and those timed again ("again"), where the whole pass was timed
+again how far its first ops' kept times were from a third timing ("after"), the
+forward convolutions' and the whole step's times, the seconds the ops alone took (their
+stage), and what the profile says of its noise: checked, the spelled profile's times
+should match the quiet ones; unchecked, they do not.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     alone_stage = f"ops alone at batch {graph.batch}"
     print(
-        f"{'profile':22s} {'drift':>7s} {'beside':>6s} {'again':>5s} {'fwd convs s':>11s}"
+        f"{'profile':22s} {'drift':>7s} {'beside':>6s} {'again':>5s} {'after':>6s}"
+        f" {'fwd convs s':>11s}"
         f" {'step s':>7s} {'stage s':>7s}  noise"
     )
     for name, remeasure, checked in runs:
@@ -108,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             workspace_module.ALONE_CHECK_OPS = real_ops
             workspace_module._others_cpu_s = real_others
         drift = "-" if prof.alone_drift is None else f"{prof.alone_drift:+.1%}"
+        after = "-" if prof.alone_drift_after is None else f"{prof.alone_drift_after:+.1%}"
         times = prof.op_times_s
         print(
             f"{name:22s} {drift:>7s} {prof.alone_contended:6d} {prof.alone_retimed:5d}"
-            f" {sum(times[i] for i in forward_convs):11.3f} {sum(times):7.3f}"
+            f" {after:>6s} {sum(times[i] for i in forward_convs):11.3f} {sum(times):7.3f}"
             f" {prof.stage_seconds.get(alone_stage, 0.0):7.1f}  {prof.noisy or '-'}",
             flush=True,
         )

@@ -1238,7 +1238,8 @@ def _check_net() -> tuple[nn.Module, Graph]:
 def _alone_timed(monkeypatch, slow: str, beside: set[str] = frozenset()) -> list[str]:
     """Ops alone take fixed seconds by name (none run): `slow` 'first' doubles each op's
     first call (a slow spell over the pass), 'again' its later calls (the machine got
-    busy at its end), '' neither. The first call of an op named in `beside` runs beside
+    busy at its end), 'wavering' its first and third calls (a machine slow on and off),
+    '' neither. The first call of an op named in `beside` runs beside
     other work (twice as long, other processes' CPU time rising), and with `slow`
     'beside' every later call of any op too. Returns the names called, in order."""
     from monet_like.profile import workspace as workspace_module
@@ -1249,7 +1250,8 @@ def _alone_timed(monkeypatch, slow: str, beside: set[str] = frozenset()) -> list
     def timed(node, device, gen, arena=None, at=None):
         called.append(node.name)
         first = called.count(node.name) == 1
-        factor = 2.0 if (slow == "first" and first) or (slow == "again" and not first) else 1.0
+        slowed = {"first": first, "again": not first, "wavering": called.count(node.name) % 2}
+        factor = 2.0 if slowed.get(slow) else 1.0
         if (first and node.name in beside) or (slow == "beside" and not first):
             factor, others[0] = 2.0, others[0] + 1.0
         return 0, factor * 0.001 * len(node.name)
@@ -1262,12 +1264,13 @@ def _alone_timed(monkeypatch, slow: str, beside: set[str] = frozenset()) -> list
     return called
 
 
-@pytest.mark.parametrize("slow", ["", "first", "again"])
+@pytest.mark.parametrize("slow", ["", "first", "again", "wavering"])
 def test_a_pass_of_ops_alone_is_checked_by_its_first_ops_timed_again(monkeypatch, slow):
     """Each op runs alone once: at the end of the pass its first ops are timed again. A
     pass that ran them slower than that (a slow spell) is timed again whole, each op keeping
-    its lesser time; a quiet pass, or one whose check ran slower (the machine busy at its
-    end), keeps its times. The check says by how much either way."""
+    its lesser time, and its first ops a third time to tell whether the kept times hold; a
+    quiet pass, or one whose check ran slower (the machine busy at its end), keeps its
+    times. The check says by how much either way."""
     from monet_like.profile import workspace as workspace_module
 
     _model, graph = _check_net()
@@ -1283,28 +1286,47 @@ def test_a_pass_of_ops_alone_is_checked_by_its_first_ops_timed_again(monkeypatch
     check = runs.check
     assert check is not None and check.ops == 3
     assert called[len(pass_names) : len(pass_names) + 3] == pass_names[:3]  # the first three
-    if slow == "first":
-        assert check.drift == pytest.approx(1.0) and check.retimed
-        assert sorted(called) == sorted(pass_names * 2)  # every op timed again, once
+    if slow in ("first", "wavering"):
+        assert check.drift == pytest.approx(1.0) and check.retimed == len(pass_names)
+        # every op timed again, once, then the first three a third time
+        assert sorted(called) == sorted(pass_names * 2 + pass_names[:3])
+        assert called[-3:] == pass_names[:3]
+        # held (a slow spell at the start) or not (the third calls slow again)
+        assert check.after == pytest.approx(0.0 if slow == "first" else -0.5)
+        assert check.settled == (slow == "first")
     else:
         assert check.drift == pytest.approx(0.0 if slow == "" else -0.5)
         assert not check.retimed and len(called) == len(pass_names) + 3
+        assert check.after is None and not check.settled
     # each op its plain time: the lesser of two where the pass ran slow, else the first
     assert seconds == pytest.approx({i: 0.001 * len(names[i]) for i in measured})
 
 
 def test_a_profile_keeps_its_ops_alone_check_and_says_a_slow_spell(monkeypatch):
     """The check of the ops timed alone goes into the profile (its drift, whether they were
-    timed again) and the line saying how the times were taken; a drift beyond ALONE_DRIFT
-    makes the profile unsure, and says so. Kept through the cache's JSON."""
+    timed again, how that held) and the line saying how the times were taken; a drift
+    beyond ALONE_DRIFT makes the profile unsure, and says so, unless every op was timed
+    again and that held when checked once more. Kept through the cache's JSON."""
     model, graph = _check_net()
-    _alone_timed(monkeypatch, "first")
+    _alone_timed(monkeypatch, "wavering")
     slow = profile(model, graph, profile_batch=2, repeats=1, progress=False, use_cache=False)
     assert slow.alone_drift == pytest.approx(1.0) and slow.alone_retimed
+    assert slow.alone_drift_after == pytest.approx(-0.5)
     assert "3 of them timed again at the end took 0.50 of their first time" in slow.time_method
-    assert "ops timed alone ran 100% slower at first than at the end" in slow.noisy
+    assert "its first ops timed a third time took 2.00 of their kept time" in slow.time_method
+    assert (
+        "ops timed alone ran 100% slower at first than at the end, each op then timed again"
+        " and 50% off when checked once more" in slow.noisy
+    )
     again = Profile.from_json(slow.to_json())
     assert again.alone_drift == slow.alone_drift and again.alone_retimed
+    assert again.alone_drift_after == slow.alone_drift_after and again.noisy == slow.noisy
+    _alone_timed(monkeypatch, "first")
+    repaired = profile(model, graph, profile_batch=2, repeats=1, progress=False, use_cache=False)
+    assert repaired.alone_drift == pytest.approx(1.0) and repaired.alone_retimed
+    assert repaired.alone_drift_after == pytest.approx(0.0)
+    assert "took 1.00 of their kept time" in repaired.time_method
+    assert "alone" not in repaired.noisy
     _alone_timed(monkeypatch, "")
     quiet = profile(model, graph, profile_batch=2, repeats=1, progress=False, use_cache=False)
     assert quiet.alone_drift == pytest.approx(0.0) and not quiet.alone_retimed
@@ -1318,16 +1340,18 @@ def test_a_solve_keeps_and_says_its_profiles_ops_alone_check(monkeypatch, tmp_pa
 
     monkeypatch.setenv("MONET_LIKE_CACHE", str(tmp_path))
     model, _graph = _check_net()
-    _alone_timed(monkeypatch, "first")
+    _alone_timed(monkeypatch, "wavering")
     lines: list[str] = []
     compiled = pipeline.compile_schedule(
         model, (3, 8, 8), 8, budget_fraction=1.0, progress=lines.append
     )
     extra = compiled.solution.extra
     assert extra["profile_alone_drift"] == pytest.approx(1.0)
+    assert extra["profile_alone_drift_after"] == pytest.approx(-0.5)
     assert any("ops timed alone ran 100% slower at first" in line for line in lines)
     noise = _noise(compiled.solution)
-    assert noise.startswith(" (the profile's timed runs spread") and "alone 100.0% off" in noise
+    assert noise.startswith(" (the profile's timed runs spread")
+    assert "alone 100.0% off when checked, 50.0% once all were timed again" in noise
 
 
 @pytest.mark.parametrize("busy_at_the_end", [False, True])

@@ -272,6 +272,7 @@ def cmd_profile(args) -> dict:
         backward_time_s=prof.op_backward_s,
         time_spread=prof.time_spread,
         alone_drift=prof.alone_drift,
+        alone_drift_after=prof.alone_drift_after,
         alone_contended=prof.alone_contended,
         alone_retimed=prof.alone_retimed,
         time_method=prof.time_method,

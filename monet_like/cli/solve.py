@@ -360,6 +360,8 @@ def _noise(sol) -> str:
     if drift is not None:
         whose = "its" if said else "the profile's"
         said.append(f"{whose} ops timed alone {abs(drift):.1%} off when checked")
+        if (after := sol.extra.get("profile_alone_drift_after")) is not None:
+            said[-1] += f", {abs(after):.1%} once all were timed again"
     if contended := sol.extra.get("profile_alone_contended"):
         said.append(f"{contended} of them run beside other work, timed again")
     return f" ({', '.join(said)})" if said else ""

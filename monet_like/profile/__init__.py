@@ -414,6 +414,7 @@ def profile(
         algorithms=algorithms,
         time_spread=spread[0] if spread and repeats > 1 else None,
         alone_drift=None if alone_check is None else alone_check.drift,
+        alone_drift_after=None if alone_check is None else alone_check.after,
         alone_retimed=0 if alone_check is None else alone_check.retimed,
         alone_contended=0 if alone_check is None else alone_check.contended,
         alone_busy=alone_check is not None and alone_check.busy,
@@ -466,6 +467,9 @@ def _check_line(check) -> str:
     if check.retimed:
         line += f"; {check.retimed} timed again, each keeping its lesser time"
         line += " (stopped: the machine still busy)" if check.busy else ""
+    if check.after is not None:
+        third = 1 / (1 + check.after)
+        line += f"; its first ops timed a third time took {third:.2f} of their kept time"
     return line
 
 

@@ -86,8 +86,11 @@ class Profile:
     # the ops timed alone (`workspace._check_alone`): how much slower their pass ran its
     # first ops than they ran timed again at its end (None: not checked); how many ran
     # while other work took the machine; how many were timed again for either; whether
-    # that stopped, the machine still busy
+    # that stopped, the machine still busy; where the drift had every op timed again: how
+    # much slower its first ops' kept times were than those ops timed a third time (within
+    # ALONE_DRIFT: a slow spell at the pass's start, repaired; None: not timed again whole)
     alone_drift: float | None = None
+    alone_drift_after: float | None = None
     alone_retimed: int = 0
     alone_contended: int = 0
     alone_busy: bool = False
@@ -101,14 +104,18 @@ class Profile:
     def noisy(self) -> str:
         """Why its times are unsure ('' where they are not): timed runs that differ by
         more than NOISY_SPREAD, ops timed alone whose check drifted more than ALONE_DRIFT
-        or that ran beside other work and could not be timed again quiet, or other work on
-        the machine while it was taken."""
+        (unless they were all timed again and that held when checked once more) or that ran
+        beside other work and could not be timed again quiet, or other work on the machine
+        while it was taken."""
         reasons = []
         if self.time_spread is not None and self.time_spread > NOISY_SPREAD:
             reasons.append(f"its timed runs of the whole step differ by {self.time_spread:.0%}")
-        if self.alone_drift is not None and abs(self.alone_drift) > ALONE_DRIFT:
+        settled = self.alone_drift_after is not None and abs(self.alone_drift_after) <= ALONE_DRIFT
+        if self.alone_drift is not None and abs(self.alone_drift) > ALONE_DRIFT and not settled:
             how = "slower" if self.alone_drift > 0 else "faster"
             again = ", each op then timed again" if self.alone_retimed else ""
+            if self.alone_drift_after is not None:
+                again += f" and {abs(self.alone_drift_after):.0%} off when checked once more"
             reasons.append(
                 f"its ops timed alone ran {abs(self.alone_drift):.0%} {how} at first than"
                 f" at the end{again}"

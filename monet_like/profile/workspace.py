@@ -85,7 +85,8 @@ ALONE_CHECK_OPS = 6
 ALONE_CHECK_SHARE = 0.05
 ALONE_CHECK_LEAST_S = 0.002
 # Their drift beyond this: the pass's times are unsure. Where the pass ran the slower,
-# every op in it is timed again and keeps the lesser of its two times.
+# every op in it is timed again and keeps the lesser of its two times, and the first ops
+# are timed a third time: kept times within this of it stand (a slow start, repaired).
 ALONE_DRIFT = 0.15
 # A spell later in the pass shows as other processes' CPU time while it ran (/proc/stat's
 # busy time, the host's steal included, less this process's), over windows of at least
@@ -491,11 +492,20 @@ class AloneCheck:
     contended: int = 0  # its ops run while other work took over CONTENDED_SHARE
     retimed: int = 0  # its ops timed again, each keeping its lesser time
     busy: bool = False  # the timing again ran contended too, and stopped
+    # where the pass was timed again whole: how much slower its first ops' kept times
+    # were than those ops timed a third time after it (None: not timed again whole)
+    after: float | None = None
 
     @property
     def drift(self) -> float | None:
         """How much slower the pass ran its first ops than the check (negative: faster)."""
         return self.first_s / self.again_s - 1 if self.ops and self.again_s > 0 else None
+
+    @property
+    def settled(self) -> bool:
+        """Whether the pass, slow at first, was timed again whole and its kept times held
+        when its first ops were timed a third time: a slow spell at its start, repaired."""
+        return self.after is not None and abs(self.after) <= ALONE_DRIFT
 
 
 def alone_runs_of(captures: dict | None) -> AloneRuns:
@@ -653,7 +663,8 @@ def _check_alone(
     timed again (none where it has too few such ops to tell a slow spell from an op's own
     noise). Where the pass ran them more than ALONE_DRIFT slower, every op of the pass is
     timed again, else those run while other work took the machine (`contended`); each
-    keeps the lesser of its two times in `runs.seconds`."""
+    keeps the lesser of its two times in `runs.seconds`. A pass timed again whole has its
+    first ops timed a third time after it, to tell whether the kept times hold."""
 
     def again(signature) -> float | None:
         node, at, scale = calls[signature]
@@ -695,7 +706,14 @@ def _check_alone(
                 busy = True
                 break
             start = now
-    return AloneCheck(len(kept), first_s, again_s, len(contended), retimed, busy)
+    after = None
+    if slow and not busy:
+        third = {s: again(s) for s in kept}
+        held = [s for s in kept if third[s] is not None]
+        third_s = sum(third[s] for s in held)
+        if len(held) >= ALONE_CHECK_OPS and third_s > 0:
+            after = sum(runs.seconds[s] for s in held) / third_s - 1
+    return AloneCheck(len(kept), first_s, again_s, len(contended), retimed, busy, after)
 
 
 def _alone_ops(graph: Graph, device: torch.device):
