@@ -6,7 +6,8 @@
 
 The README's headline command, stage by stage, as `solve.py --no_zoo` runs it (one
 call of `compile_schedule`, each stage timed inside it): first with an empty profile
-cache (cold), then again with the profiles it cached (warm).
+cache (cold), then again with the profiles it cached (warm); each profile stage's
+seconds are printed against the progress bar's estimate of it.
 The unit is one eager training step of the same model at `--unit_batch` (224 px),
 the median of three, measured in this run before and after (the machine's speed
 moves): each stage's seconds are printed as a multiple of it. Targets: the
@@ -31,6 +32,7 @@ from monet_like import pipeline
 from monet_like.graph import default_loss
 from monet_like.inputs import make_input
 from monet_like.models import parse_model
+from monet_like.profile import progress as progress_module
 from monet_like.units import GIB
 
 
@@ -69,13 +71,25 @@ def stages(model, shape, batch, budget, mode, solver) -> dict[str, float]:
     def line(text: str) -> None:  # the run's own lines, timed from its start
         print(f"    {time.perf_counter() - started:6.1f} s {text}", flush=True)
 
+    estimates: list[tuple[str, float, float]] = []  # profile stage, its ETA, its seconds
+    stage_done = progress_module.Stages.done
+
+    def done(self, name: str) -> None:
+        expected = self.expected.get(name)
+        stage_done(self, name)
+        if expected is not None:
+            estimates.append((name, expected, self.seconds[name]))
+
     with (
         mock.patch.object(pipeline, "capture_graphs", timed("capture", pipeline.capture_graphs)),
         mock.patch.object(pipeline, "profile_graphs", timed("profile", pipeline.profile_graphs)),
+        mock.patch.object(progress_module.Stages, "done", done),
     ):
         compiled = pipeline.compile_schedule(
             model, shape, batch, budget, mode, solver, time_limit=600, progress=line
         )
+    for name, expected, took in estimates:  # how far the progress bar's estimates were off
+        print(f"    {name}: estimated {expected:.1f} s, took {took:.1f} s ({took / expected:.2f}x)")
     total = time.perf_counter() - started
     sol = compiled.solution
     print(

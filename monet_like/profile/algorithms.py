@@ -298,17 +298,20 @@ def _algorithm_options(
             pass  # measured where it is used (a fit through a smaller batch put chunks 4 kB under)
         elif _conv_flops(weight_shape, out_shape, graph.batch) <= ALGORITHM_WORKSPACE_FLOPS:
             # Measured where it is used (workspace is not linear in the batch), but for
-            # im2col (in proportion to the batch, as below) and PyTorch's own where the
-            # step measured its op there (`_aten_options_take` takes that figure).
+            # im2col (in proportion to the batch, as below), PyTorch's own where the
+            # step measured its op there (`_aten_options_take` takes that figure), and a
+            # batch chunk timed as itself at the batch (recorded on that call).
             at_batch = _site_calls(site, nodes, graph.batch, device, gen)
             step_ops = _steps_own(at_batch, op_index[fwd.name], op_index.get(site["backward"]))
             taken = {(d, -1) for d, i in step_ops if i in (measured_ops or ())}
             there = [c for rows in at_batch.values() for _, c in rows]
+            ran_at = [rows for _, _, rows, _ in timing]
             workspace = [
                 ws * graph.batch // timed_at if key[1] == im2col
                 else 0 if key in taken
+                else ws if rows == graph.batch
                 else _workspace_of(call, device)
-                for key, ws, call in zip(keys, workspace, there, strict=True)
+                for key, ws, rows, call in zip(keys, workspace, ran_at, there, strict=True)
             ]  # fmt: skip
         else:
             second = profile_batch if timed_at != profile_batch else min(2 * timed_at, graph.batch)

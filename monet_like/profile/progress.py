@@ -20,16 +20,19 @@ from monet_like.profile.timing import _bar_hidden
 # 1.0 in ResNet-50's (184) profile at batches 4 and 8.
 WORKSPACE_RUN = 1.0
 # An op measured alone at the solved batch (random inputs written, the library's first
-# call at those shapes, a few more calls for a short op) over its time at the profile's
-# batch scaled linearly: 1.5 in ResNet-50's (184) full-mode profile, both graphs' distinct
-# ops, 45.9 s alone where their scaled times were 31.0 s.
-ALONE_OVER_STEP = 1.5
+# call at those shapes) over its time at the profile's batch scaled linearly, an op
+# under ALONE_REPEAT_BELOW counted 1 + ALONE_REPEATS times (it is timed again so): in
+# full-mode profiles, the variants' graph's pass, 1.21 for ResNet-50 (184; 44.3 s alone
+# where the times so counted were 36.6 s), 1.19 for ResNet-18 (32, 64 px) and 1.16 for
+# GoogLeNet (32, 112 px). The captured graph's few ops left run 1.4 to 2.9 times their
+# estimate (at 184 writing their inputs outweighs them), a second or two.
+ALONE_OVER_STEP = 1.2
 # A convolution site's algorithms timed and measured (each algorithm of each direction,
 # a recorded call and two timed rounds, and their workspace at a second batch) over the
-# site's forward and backward in the step, at the batch they are timed at: 13.7 in
-# ResNet-50's (184) profile, 31 in ResNet-18's (32, 64 px) and 29 in GoogLeNet's (32,
-# 112 px), whose layers are timed at the batch itself. Between them: an estimate.
-ALGORITHM_CALLS = 20.0
+# site's forward and backward in the step, at the batch they are timed at: 22.8 in
+# ResNet-50's (184) full-mode profile, 22.2 in ResNet-18's (32, 64 px) and 22.4 in
+# GoogLeNet's (32, 112 px), whose layers are timed at the batch itself.
+ALGORITHM_CALLS = 22.5
 
 
 class Stages:
@@ -105,8 +108,15 @@ def alone_seconds(
     will run (by `_op_signature`, not in `done`, the signatures measured already)
     ALONE_OVER_STEP times its estimated time in the step at the solved batch (`times`, per
     op), at the smaller batch `reduced_batch` gives where it allows one (from
-    `profile_batch`) and the op is not `_sized_by_shape`."""
-    from monet_like.profile.workspace import _alone_ops, _sized_by_shape, reduced_batch
+    `profile_batch`) and the op is not `_sized_by_shape`, and 1 + ALONE_REPEATS times that
+    where it is under ALONE_REPEAT_BELOW (timed again so)."""
+    from monet_like.profile.workspace import (
+        ALONE_REPEAT_BELOW,
+        ALONE_REPEATS,
+        _alone_ops,
+        _sized_by_shape,
+        reduced_batch,
+    )
 
     if device.type != "cpu" or graph.fx is None:
         return 0.0
@@ -115,7 +125,9 @@ def alone_seconds(
     for op, node, signature in _alone_ops(graph, device):
         if signature not in (done or {}):
             share = 1.0 if reduced is None or _sized_by_shape(node) else reduced / graph.batch
-            to_run.setdefault(signature, times[op.index] * share)
+            seconds = times[op.index] * share
+            calls = 1 + ALONE_REPEATS if seconds < ALONE_REPEAT_BELOW else 1
+            to_run.setdefault(signature, seconds * calls)
     return ALONE_OVER_STEP * sum(to_run.values())
 
 
