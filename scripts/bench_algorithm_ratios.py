@@ -34,7 +34,7 @@ from monet_like.models import parse_model
 from monet_like.pipeline import capture_graphs
 from monet_like.profile import algorithms
 from monet_like.profile.algorithms import (
-    _site_calls,
+    _calls_at,
     _site_signature,
     _timing_batch,
     _timing_calls,
@@ -59,18 +59,19 @@ def site_ratios(
     # as the profile times them (`_timing_calls`: each at its own batch, scaled to the
     # solved one), and at the solved batch; once where the layer is timed there
     keys, calls, scale = [], [], []
-    for direction, algo, at, call in _timing_calls(site, nodes, timed_at, batch, cpu, gen):
+    built: dict[int, dict] = {}  # rows -> the site's calls there, drawn once
+    for direction, algo, at, call in _timing_calls(site, nodes, timed_at, batch, cpu, gen, built):
         keys.append(("timing", direction, algo))
         calls.append(call)
         scale.append(batch / at)
     if timed_at != batch:
-        for direction, options in _site_calls(site, nodes, batch, cpu, gen).items():
+        for direction, options in _calls_at(built, site, nodes, batch, cpu, gen).items():
             for algo, call in options:
                 keys.append(("batch", direction, algo))
                 calls.append(call)
                 scale.append(1.0)
         # for comparison, the batch chunks over the timing batch itself
-        for direction, options in _site_calls(site, nodes, timed_at, cpu, gen).items():
+        for direction, options in _calls_at(built, site, nodes, timed_at, cpu, gen).items():
             for algo, call in options:
                 if algo <= -2:
                     keys.append(("whole timing batch", direction, algo))

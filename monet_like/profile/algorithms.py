@@ -145,24 +145,40 @@ def _chunk_timing(algo: int, timed_at: int, batch: int) -> tuple[int, int]:
 
 
 def _timing_calls(
-    site: dict, nodes: dict, timed_at: int, batch: int, device: torch.device, gen
+    site: dict,
+    nodes: dict,
+    timed_at: int,
+    batch: int,
+    device: torch.device,
+    gen,
+    built: dict[int, dict] | None = None,
 ) -> list[tuple[str, int, int, Callable[[], object]]]:
     """(direction, algorithm, batch it runs at, call) of every option of one convolution
     site as the profile times it: at `timed_at`, but for the batch chunks where that is
     not the solved `batch` (`_chunk_timing`). Each time is scaled linearly from its
-    own batch to the solved one."""
-    calls = _site_calls(site, nodes, timed_at, device, gen)
+    own batch to the solved one. The site's calls are built through `built`
+    (`_calls_at`), for the caller to reuse."""
+    built = {} if built is None else built
+    calls = _calls_at(built, site, nodes, timed_at, device, gen)
     timed = [(d, a, timed_at, c) for d, rows in calls.items() for a, c in rows]
     if timed_at == batch:
         return timed
-    at_chunk: dict[int, dict] = {}
     for i, (direction, algo, _, _) in enumerate(timed):
         if algo <= -2:
             rows, chunked = _chunk_timing(algo, timed_at, batch)
-            if rows not in at_chunk:
-                at_chunk[rows] = _site_calls(site, nodes, rows, device, gen)
-            timed[i] = (direction, algo, rows, dict(at_chunk[rows][direction])[chunked])
+            chunk_calls = _calls_at(built, site, nodes, rows, device, gen)
+            timed[i] = (direction, algo, rows, dict(chunk_calls[direction])[chunked])
     return timed
+
+
+def _calls_at(
+    built: dict[int, dict], site: dict, nodes: dict, rows: int, device: torch.device, gen
+) -> dict:
+    """`_site_calls` at `rows`, kept in `built` (rows -> calls) so that a site's random
+    tensors at one batch are drawn once."""
+    if rows not in built:
+        built[rows] = _site_calls(site, nodes, rows, device, gen)
+    return built[rows]
 
 
 def _site_calls(site: dict, nodes: dict, rows: int, device: torch.device, gen) -> dict:
@@ -283,7 +299,8 @@ def _algorithm_options(
         fwd = nodes[site["forward"][0]]
         weight_shape, out_shape = fwd.args[1].meta["val"].shape, fwd.meta["val"].shape
         timed_at = _timing_batch(weight_shape, out_shape, graph.batch, profile_batch)
-        timing = _timing_calls(site, nodes, timed_at, graph.batch, device, gen)
+        built: dict[int, dict] = {}  # rows -> the site's calls there, drawn once
+        timing = _timing_calls(site, nodes, timed_at, graph.batch, device, gen, built)
         keys = [(d, a) for d, a, _, _ in timing]
         flat = [c for _, _, _, c in timing]
         # Warmed up first only on CUDA (cuDNN and cuBLAS set up on first calls), but for
@@ -301,7 +318,7 @@ def _algorithm_options(
             # im2col (in proportion to the batch, as below), PyTorch's own where the
             # step measured its op there (`_aten_options_take` takes that figure), and a
             # batch chunk timed as itself at the batch (recorded on that call).
-            at_batch = _site_calls(site, nodes, graph.batch, device, gen)
+            at_batch = _calls_at(built, site, nodes, graph.batch, device, gen)
             step_ops = _steps_own(at_batch, op_index[fwd.name], op_index.get(site["backward"]))
             taken = {(d, -1) for d, i in step_ops if i in (measured_ops or ())}
             there = [c for rows in at_batch.values() for _, c in rows]
@@ -316,7 +333,7 @@ def _algorithm_options(
         else:
             second = profile_batch if timed_at != profile_batch else min(2 * timed_at, graph.batch)
             if second != timed_at:
-                others = _site_calls(site, nodes, second, device, gen)
+                others = _calls_at(built, site, nodes, second, device, gen)
                 # Not run there: the batch chunks (`_fit_chunked`); im2col, whose scratch is
                 # its columns and copies of its inputs, each a whole batch's (in proportion
                 # to it); and the whole backward where the step's own figure at the solved
