@@ -88,9 +88,9 @@ def stages(model, shape, batch, budget, mode, solver) -> dict[str, float]:
         compiled = pipeline.compile_schedule(
             model, shape, batch, budget, mode, solver, time_limit=600, progress=line
         )
+    total = time.perf_counter() - started
     for name, expected, took in estimates:  # how far the progress bar's estimates were off
         print(f"    {name}: estimated {expected:.1f} s, took {took:.1f} s ({took / expected:.2f}x)")
-    total = time.perf_counter() - started
     sol = compiled.solution
     print(
         f"    schedule: {sol.status}, peak {sol.predicted_peak_bytes / GIB:.3f} GB,"

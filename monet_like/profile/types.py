@@ -10,7 +10,7 @@ import torch
 
 from monet_like.graph import Graph
 from monet_like.profile.algorithms import algorithm_workspace
-from monet_like.profile.workspace import ALONE_DRIFT
+from monet_like.profile.workspace import ALONE_DRIFT, drift_repaired
 
 # 15: convolution algorithms measured on inputs laid out as in the graph (gaps included)
 PROFILE_FORMAT = 15
@@ -110,7 +110,7 @@ class Profile:
         reasons = []
         if self.time_spread is not None and self.time_spread > NOISY_SPREAD:
             reasons.append(f"its timed runs of the whole step differ by {self.time_spread:.0%}")
-        settled = self.alone_drift_after is not None and abs(self.alone_drift_after) <= ALONE_DRIFT
+        settled = drift_repaired(self.alone_drift_after)
         if self.alone_drift is not None and abs(self.alone_drift) > ALONE_DRIFT and not settled:
             how = "slower" if self.alone_drift > 0 else "faster"
             again = ", each op then timed again" if self.alone_retimed else ""

@@ -505,7 +505,13 @@ class AloneCheck:
     def settled(self) -> bool:
         """Whether the pass, slow at first, was timed again whole and its kept times held
         when its first ops were timed a third time: a slow spell at its start, repaired."""
-        return self.after is not None and abs(self.after) <= ALONE_DRIFT
+        return drift_repaired(self.after)
+
+
+def drift_repaired(after: float | None) -> bool:
+    """Whether a pass of ops alone timed again whole held when its first ops were timed a
+    third time (`after`, `AloneCheck.after`: within ALONE_DRIFT)."""
+    return after is not None and abs(after) <= ALONE_DRIFT
 
 
 def alone_runs_of(captures: dict | None) -> AloneRuns:
