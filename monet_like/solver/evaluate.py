@@ -6,56 +6,106 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse as sp
 
 from monet_like.solver.formulation import Formulation, _choice_needs, _op_runs, _reads_from
 
 
 @dataclass(frozen=True)
-class _StageColumns:
-    """Column indices of one stage's candidates, for vectorized evaluation."""
+class _Slots:
+    """Every stage's candidates laid end to end ("slots", stage by stage), with what the
+    backward stages' rows read of them, so that a schedule is evaluated in a few array
+    operations over all stages instead of a loop over them (the start heuristics and the
+    window searches evaluate hundreds of schedules)."""
 
-    units: np.ndarray
+    ptr: np.ndarray  # stage t's slots are ptr[t]:ptr[t + 1]
+    units: np.ndarray  # per slot: its unit
     s_cols: np.ndarray
     r_cols: np.ndarray  # -1 where the unit cannot be recomputed
     next_s_cols: np.ndarray  # S of the next stage, -1 where it is no candidate there
     dead: np.ndarray  # no later stage can read it
-    by_op: list[tuple[int, np.ndarray]]  # (backward-only bytes, read from there on)
-    conv_reads: list[tuple[int, np.ndarray]]  # (algorithm, read from its backward op on)
-    order: np.ndarray  # positions (in `units`) of the recomputable ones, in run order
-    prefix_end: np.ndarray  # per entry of `order`: what has begun when it ends (-1: no row)
+    algorithm_of: np.ndarray  # its convolution choice if recomputed with one, or -1
+    # the recomputable slots in run order, stage by stage (`order_ptr` as `ptr`); per
+    # entry, the entry (global) of the last one begun when it ends, -1: no row of its own
+    order: np.ndarray
+    order_ptr: np.ndarray
+    order_stage: np.ndarray
+    prefix_end: np.ndarray
+    # per run of backward ops: its stage, its backward-only bytes, and (a row per run)
+    # which slots it or a later op of its stage reads
+    run_stage: np.ndarray
+    run_bytes: np.ndarray
+    run_reads: sp.csr_matrix
+    # per convolution's backward op: its stage, its algorithm choice, and what it reads
+    conv_stage: np.ndarray
+    conv_algorithm: np.ndarray
+    conv_reads: sp.csr_matrix
 
 
-def _stage_columns(f: Formulation) -> list[_StageColumns]:
+def _slots(f: Formulation) -> _Slots:
     if f.columns is not None:
         return f.columns
     p = f.problem
     choice_needs = _choice_needs(p)
-    columns = []
+    sizes = [len(c) for c in f.cand]
+    ptr = np.concatenate(([0], np.cumsum(sizes))).astype(int)
+    flat = [(t, u) for t, c in enumerate(f.cand) for u in c]
+    order, order_stage, prefix_end, order_ptr = [], [], [], [0]
+    run_stage, run_bytes, run_rows = [], [], []
+    conv_stage, conv_algorithm, conv_rows = [], [], []
     for t, c in enumerate(f.cand):
+        position = {u: ptr[t] + i for i, u in enumerate(c)}
+        base = order_ptr[-1]
+        order += [position[u] for u in f.recompute_order[t]]
+        order_stage += [t] * len(f.recompute_order[t])
+        prefix_end += [base + e if e >= 0 else -1 for e in f.prefix_end[t]]
+        order_ptr.append(len(order))
         stage = p.stages[t]
-        position = {u: i for i, u in enumerate(c)}
-        columns.append(
-            _StageColumns(
-                units=np.array(c, dtype=int),
-                s_cols=np.array([f.s_index[t, u] for u in c], dtype=int),
-                r_cols=np.array([f.r_index.get((t, u), -1) for u in c], dtype=int),
-                next_s_cols=np.array([f.s_index.get((t + 1, u), -1) for u in c], dtype=int),
-                dead=np.array([f.last_use[u] == t for u in c], dtype=bool),
-                by_op=[
-                    (at_op, np.isin(c, reads))
-                    for _, at_op, reads in _op_runs(stage, choice_needs[t])
-                ],
-                conv_reads=[
-                    (k, np.isin(c, _reads_from(stage, a.backward_op, choice_needs[t])))
-                    for k, a in enumerate(p.algorithms)
-                    if a.stage == t and a.backward
-                ],
-                order=np.array([position[u] for u in f.recompute_order[t]], dtype=int),
-                prefix_end=np.array(f.prefix_end[t], dtype=int),
-            )
-        )
-    f.columns = columns
-    return columns
+        for _, at_op, reads in _op_runs(stage, choice_needs[t]):
+            run_stage.append(t)
+            run_bytes.append(at_op)
+            run_rows.append([position[u] for u in set(reads) if u in position])
+        for k, a in enumerate(p.algorithms):
+            if a.stage == t and a.backward:
+                read = _reads_from(stage, a.backward_op, choice_needs[t])
+                conv_stage.append(t)
+                conv_algorithm.append(k)
+                conv_rows.append([position[u] for u in set(read) if u in position])
+
+    def rows(lists) -> sp.csr_matrix:
+        indptr = np.concatenate(([0], np.cumsum([len(r) for r in lists]))).astype(int)
+        indices = np.array([i for r in lists for i in r], dtype=int)
+        data = np.ones(len(indices), dtype=np.int64)
+        return sp.csr_matrix((data, indices, indptr), shape=(len(lists), len(flat)))
+
+    f.columns = _Slots(
+        ptr=ptr,
+        units=np.array([u for _, u in flat], dtype=int),
+        s_cols=np.array([f.s_index[t, u] for t, u in flat], dtype=int),
+        r_cols=np.array([f.r_index.get((t, u), -1) for t, u in flat], dtype=int),
+        next_s_cols=np.array([f.s_index.get((t + 1, u), -1) for t, u in flat], dtype=int),
+        dead=np.array([f.last_use[u] == t for t, u in flat], dtype=bool),
+        algorithm_of=np.array(
+            [f.algorithm_of[u] if (t, u) in f.rec_alg else -1 for t, u in flat], dtype=int
+        ),
+        order=np.array(order, dtype=int),
+        order_ptr=np.array(order_ptr, dtype=int),
+        order_stage=np.array(order_stage, dtype=int),
+        prefix_end=np.array(prefix_end, dtype=int),
+        run_stage=np.array(run_stage, dtype=int),
+        run_bytes=np.array(run_bytes, dtype=np.int64),
+        run_reads=rows(run_rows),
+        conv_stage=np.array(conv_stage, dtype=int),
+        conv_algorithm=np.array(conv_algorithm, dtype=int),
+        conv_reads=rows(conv_rows),
+    )
+    return f.columns
+
+
+def _segment_sums(values: np.ndarray, ptr: np.ndarray) -> np.ndarray:
+    """Sums of `values[ptr[t]:ptr[t + 1]]` for each t, exactly (integers)."""
+    total = np.concatenate(([0], np.cumsum(values)))
+    return total[ptr[1:]] - total[ptr[:-1]]
 
 
 def _freed_bytes(f: Formulation, t: int, x: np.ndarray, keep: np.ndarray) -> list[int]:
@@ -121,39 +171,75 @@ def evaluate(f: Formulation, x_bool: np.ndarray) -> dict:
         last_use[in_backward], weights=(m * keep)[in_backward], minlength=len(p.stages)
     )
     z = np.cumsum(kept_until[::-1])[::-1]
-    rec_ws: dict[tuple[int, int], int] = {}  # (stage, unit) -> workspace of the option run
-    for t, u in f.rec_alg:
-        k = f.algorithm_of[u]
-        rec_ws[t, u] = p.algorithms[k].forward[chosen[k][0]][2]
-    for t, (stage, cols) in enumerate(zip(p.stages, _stage_columns(f), strict=True)):
-        cu = cols.units
-        recomputed = np.where(cols.r_cols >= 0, x[np.maximum(cols.r_cols, 0)], 0)
-        held = x[cols.s_cols]
-        later = np.where(cols.dead, 0, keep[cu])  # a kept unit a later stage may read
-        carried = np.where(cols.next_s_cols >= 0, x[np.maximum(cols.next_s_cols, 0)], later)
-        # recomputation, in run order, on top of what the stage starts with
-        at_start = p.constant_bytes + stage.start_bytes + int(z[t])
-        at_start += int((m[cu] * (held - keep[cu])).sum())
-        so_far = np.cumsum(((m[cu] + side[cu]) * recomputed)[cols.order])
-        freed = _freed_bytes(f, t, x, keep)  # full formulation; else nothing
-        live = at_start + (int(so_far[-1]) if len(so_far) else 0) - freed[-1]
-        plan = f.free_plans[t] if f.free_plans is not None else None
-        for i, j in enumerate(cols.order):
-            if cols.prefix_end[i] >= 0 and (recomputed[j] or plan is not None):
-                ws = max(int(unit_ws[cu[j]]), rec_ws.get((t, int(cu[j])), 0)) * int(recomputed[j])
-                before = freed[plan.before[i]] if plan is not None else 0
-                live = max(live, at_start + int(so_far[cols.prefix_end[i]]) - before + ws)
-        # the backward ops: what they read from there on, what goes on to later stages
-        # (a convolution's backward with its option's workspace)
-        rewritten = int(z[t]) + int((side[cu] * recomputed).sum())
-        runs = [*cols.by_op]
-        for k, read in cols.conv_reads:
-            a, option = p.algorithms[k], chosen[k][1]
-            runs.append((a.backward_live + a.backward[option][2], read))
-        for at_op, read in runs:
-            present = np.where(read, held + recomputed, carried)
-            at = p.constant_bytes + at_op + rewritten + int((m[cu] * (present - keep[cu])).sum())
-            live = max(live, at)
-        if live > peak:
-            peak, where = live, f"backward stage {t}"
+    # per algorithm choice: the workspace of the forward option a recomputation runs
+    option_ws = np.array(
+        [a.forward[i][2] for a, (i, _) in zip(p.algorithms, chosen, strict=True)] + [0],
+        dtype=np.int64,
+    )  # the last entry: no convolution (index -1)
+    x = x.astype(np.int64)
+    slots = _slots(f)
+    n_t = len(p.stages)
+    su, m_s = slots.units, m[slots.units]
+    keep_s = keep[su].astype(np.int64)
+    recomputed = np.where(slots.r_cols >= 0, x[np.maximum(slots.r_cols, 0)], 0)
+    held = x[slots.s_cols]
+    later = np.where(slots.dead, 0, keep_s)  # a kept unit a later stage may read
+    carried = np.where(slots.next_s_cols >= 0, x[np.maximum(slots.next_s_cols, 0)], later)
+    # each stage's recomputations, in run order, on top of what the stage starts with
+    start_bytes = np.array([stage.start_bytes for stage in p.stages], dtype=np.int64)
+    at_start = p.constant_bytes + start_bytes + z.astype(np.int64)
+    at_start += _segment_sums(m_s * (held - keep_s), slots.ptr)
+    begun = ((m_s + side[su]) * recomputed)[slots.order]
+    so_far = np.cumsum(begun)
+    so_far_before = np.concatenate(([0], so_far))[slots.order_ptr[:-1]]  # per stage
+    freed = None
+    if f.free_plans is not None:  # full formulation; else nothing is freed
+        freed = [_freed_bytes(f, t, x, keep) for t in range(n_t)]
+        freed_end = np.array([fr[-1] for fr in freed], dtype=np.int64)
+    else:
+        freed_end = np.zeros(n_t, dtype=np.int64)
+    live = at_start + _segment_sums(begun, slots.order_ptr) - freed_end
+    # each recomputation with a row of its own, while it runs: what has begun by its end,
+    # less what was freed before it began, plus its workspace
+    ran = recomputed[slots.order]
+    rows = slots.prefix_end >= 0
+    if freed is None:
+        rows &= ran > 0
+    if rows.any():
+        j = slots.order[rows]
+        t = slots.order_stage[rows]
+        ws = np.maximum(unit_ws[su[j]], option_ws[slots.algorithm_of[j]]) * ran[rows]
+        begun_by = so_far[slots.prefix_end[rows]] - so_far_before[t]
+        if freed is None:
+            before = 0
+        else:
+            position = np.flatnonzero(rows) - slots.order_ptr[t]
+            before = np.array(
+                [freed[s][f.free_plans[s].before[i]] for s, i in zip(t, position, strict=True)],
+                dtype=np.int64,
+            )
+        np.maximum.at(live, t, at_start[t] + begun_by - before + ws)
+    # the backward ops: what they read from there on, what goes on to later stages (a
+    # convolution's backward with its option's workspace)
+    if_read = m_s * (held + recomputed - keep_s)
+    if_carried = m_s * (carried - keep_s)
+    rewritten = z.astype(np.int64) + _segment_sums(side[su] * recomputed, slots.ptr)
+    base = p.constant_bytes + rewritten + _segment_sums(if_carried, slots.ptr)
+    difference = if_read - if_carried
+    at_runs = slots.run_bytes + slots.run_reads @ difference
+    np.maximum.at(live, slots.run_stage, base[slots.run_stage] + at_runs)
+    if len(slots.conv_stage):
+        conv_bytes = np.array(
+            [
+                p.algorithms[k].backward_live + p.algorithms[k].backward[chosen[k][1]][2]
+                for k in slots.conv_algorithm
+            ],
+            dtype=np.int64,
+        )
+        at_conv = conv_bytes + slots.conv_reads @ difference
+        np.maximum.at(live, slots.conv_stage, base[slots.conv_stage] + at_conv)
+    if n_t:
+        t = int(np.argmax(live))
+        if live[t] > peak:
+            peak, where = int(live[t]), f"backward stage {t}"
     return {"peak_bytes": int(peak), "peak_at": where}

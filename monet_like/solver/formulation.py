@@ -199,7 +199,7 @@ class Formulation:
     budget_rows: np.ndarray  # rows whose right-hand side is the budget (minus constants)
     budget_const: np.ndarray  # the constant subtracted on those rows (MiB)
     stats: dict = field(default_factory=dict)
-    columns: list | None = field(default=None, repr=False)  # filled by evaluate()
+    columns: object | None = field(default=None, repr=False)  # filled by evaluate()
     # per algorithm choice: a column per forward option and per backward option
     fwd_cols: list[np.ndarray] = field(default_factory=list)
     bwd_cols: list[np.ndarray] = field(default_factory=list)
