@@ -61,6 +61,7 @@ from monet_like.solver.start import (
     start_schedule,
 )
 from monet_like.units import GIB, gb_at_least
+from monet_like.variants import apply as apply_variants
 
 MIB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -340,6 +341,52 @@ def test_the_smallest_budget_is_never_above_store_alls(resnet18, monkeypatch, no
     low = min_feasible_budget(problem, DEFAULT_DEPTH, False, "HIGHS", progress=lines.append)
     assert low == kept_all
     assert any("start from store-all" in line for line in lines)
+
+
+@pytest.fixture(scope="module")
+def resnet18_full_mode():
+    """ResNet-18 (32 px, batch 2) in the full mode, with its captured graph's profile as
+    the reference: convolution algorithms and variant choices in the problem."""
+    torch.manual_seed(0)
+    model = parse_model("torchvision.models.resnet18()").build()
+    captured = capture(model, (3, 32, 32), 2)
+    graph = apply_variants(capture(model, (3, 32, 32), 2), "inplace_conv_multiway_newnode")
+    reference = profile(model, captured, repeats=1, progress=False)
+    return build_problem(
+        graph, profile(model, graph, repeats=1, progress=False), reference=reference
+    )
+
+
+@pytest.mark.parametrize("depth", [DEFAULT_DEPTH, 2])
+def test_the_peak_evaluated_is_the_one_the_budget_rows_count(resnet18_full_mode, depth):
+    """`evaluate` (every stage at once, in array operations) and the formulation's own
+    memory rows, the running sums substituted out, give the same peak for schedules
+    with random kept units, algorithm options and variant choices."""
+    problem = resnet18_full_mode
+    assert problem.algorithms and problem.choices
+    f = formulate(problem, depth)
+    rows = cbc_rows(f, _rhs_for(f, 0))  # at a budget of 0: each row's need is its excess
+    budget_rows = np.isin(rows.source, f.budget_rows)
+    a, b = rows.a[budget_rows][:, : f.n_bool], rows.rhs[budget_rows]
+    rng = np.random.default_rng(0)
+    peaks = set()
+    for share_kept in (0.1, 0.5, 0.9) * 4:
+        x = _fit(f, rng.random(len(problem.units)) < share_kept)
+        for cols in [*f.fwd_cols, *f.bwd_cols]:
+            if len(cols):
+                x[cols] = 0
+                x[rng.choice(cols)] = 1
+        for (t, u), cols in f.rec_alg.items():  # a recomputation runs the option chosen
+            x[cols] = 0
+            if x[f.r_index[t, u]]:
+                x[cols[int(np.argmax(x[f.fwd_cols[f.algorithm_of[u]]]))]] = 1
+        for on, off in zip(f.on_col, f.off_col, strict=True):
+            x[on] = rng.random() < 0.5
+            x[off] = 1 - x[on]
+        peak = evaluate(f, x)["peak_bytes"]
+        assert peak == pytest.approx(float((a @ x - b).max()) * MIB, abs=16)
+        peaks.add(peak)
+    assert len(peaks) > 6  # the schedules differ
 
 
 def test_windows_shrink_the_peak_down_to_the_smallest_budget(resnet18):
